@@ -1,0 +1,130 @@
+"""Process-wide settings: the kernel path (ISA) and the thread count.
+
+The kernel path is chosen once, at import, from the CPU's features; the
+environment variable ``MANYHEADS_ISA=baseline|avx2|avx512`` forces one.
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+from . import _kernels
+
+ISA_ORDER = ("avx512", "avx2", "baseline")  # best first
+
+_state: dict[str, object] = {"num_threads": None, "isa": None, "isa_forced": False}
+
+
+def _choose_isa() -> str:
+    forced = os.environ.get("MANYHEADS_ISA", "").strip().lower()
+    if forced:
+        if forced not in _kernels.ISA_NAMES:
+            raise ImportError(
+                f"MANYHEADS_ISA={forced!r} is not a kernel path; expected one of "
+                f"{', '.join(_kernels.ISA_NAMES)}"
+            )
+        if not _kernels.isa_compiled(forced):
+            raise ImportError(f"MANYHEADS_ISA={forced!r}: this build has no {forced} kernels")
+        if not _kernels.cpu_supports(forced):
+            raise ImportError(f"MANYHEADS_ISA={forced!r}: this CPU does not support {forced}")
+        _state["isa_forced"] = True
+        return forced
+    for name in ISA_ORDER:
+        if _kernels.isa_compiled(name) and _kernels.cpu_supports(name):
+            return name
+    return "baseline"
+
+
+def _init() -> None:
+    isa = _choose_isa()
+    _kernels.set_isa(isa)
+    _state["isa"] = isa
+
+
+def kernel_isa() -> str:
+    """Name of the kernel path in use: ``"baseline"``, ``"avx2"`` or ``"avx512"``."""
+    return str(_state["isa"])
+
+
+def set_num_threads(n: int | None) -> None:
+    """Set the number of threads the kernels use; ``None`` restores the default.
+
+    The default is OpenMP's own (``OMP_NUM_THREADS`` or the number of cores, and
+    whatever limit threadpoolctl has put on the OpenMP runtime).
+    """
+    if n is None:
+        _state["num_threads"] = None
+        return
+    _state["num_threads"] = check_num_threads(n, "n")
+
+
+def get_num_threads() -> int:
+    """Number of threads the next kernel call will use (1 in a build without OpenMP)."""
+    if not _kernels.openmp_enabled():
+        return 1
+    n = _state["num_threads"]
+    return int(n) if n is not None else max(1, int(_kernels.omp_max_threads()))
+
+
+def check_num_threads(n: object, name: str = "num_threads") -> int:
+    import numbers
+
+    if isinstance(n, bool) or not isinstance(n, numbers.Integral):
+        raise TypeError(f"{name} must be a positive int, got {type(n).__name__}")
+    if int(n) < 1:
+        raise ValueError(f"{name} must be at least 1, got {int(n)}")
+    return int(n)
+
+
+def resolve_num_threads(n: object) -> int:
+    if n is None:
+        return get_num_threads()
+    n = check_num_threads(n)
+    return n if _kernels.openmp_enabled() else 1
+
+
+def config() -> dict[str, object]:
+    import numpy as np
+
+    from . import __version__
+
+    return {
+        "version": __version__,
+        "kernel_isa": kernel_isa(),
+        "isa_forced_by_env": bool(_state["isa_forced"]),
+        "isa_compiled": [n for n in _kernels.ISA_NAMES if _kernels.isa_compiled(n)],
+        "isa_supported_by_cpu": [
+            n for n in _kernels.ISA_NAMES
+            if _kernels.isa_compiled(n) and _kernels.cpu_supports(n)
+        ],
+        "openmp": bool(_kernels.openmp_enabled()),
+        "openmp_version": int(_kernels.openmp_version()),
+        "num_threads": get_num_threads(),
+        "block_q": int(_kernels.BLOCK_Q),
+        "block_k": int(_kernels.BLOCK_K),
+        "numpy": np.__version__,
+        "python": sys.version.split()[0],
+    }
+
+
+def show_config() -> None:
+    """Print the build and run-time configuration: kernel path, OpenMP, threads."""
+    c = config()
+    omp = (
+        f"yes (OpenMP {c['openmp_version']})"
+        if c["openmp"]
+        else "no (this build runs single-threaded)"
+    )
+    forced = " (forced by MANYHEADS_ISA)" if c["isa_forced_by_env"] else ""
+    lines = [
+        f"manyheads {c['version']}",
+        f"  kernel path      : {c['kernel_isa']}{forced}",
+        f"  compiled paths   : {', '.join(c['isa_compiled'])}",  # type: ignore[arg-type]
+        f"  CPU can run      : {', '.join(c['isa_supported_by_cpu'])}",  # type: ignore[arg-type]
+        f"  OpenMP           : {omp}",
+        f"  threads          : {c['num_threads']}",
+        f"  block (q x k)    : {c['block_q']} x {c['block_k']}",
+        f"  numpy            : {c['numpy']}",
+        f"  python           : {c['python']}",
+    ]
+    print("\n".join(lines))

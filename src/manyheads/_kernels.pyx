@@ -1,0 +1,193 @@
+# cython: language_level=3, boundscheck=False, wraparound=False, initializedcheck=False, cdivision=True
+"""Thin scheduling layer over the C kernels in ``csrc/``.
+
+Takes data pointers, per-(batch, head) offset tables and row strides (all in
+elements) and runs the work items of one attention call over an OpenMP thread
+team with the GIL released.  Performs no validation: ``manyheads.functional``
+checks everything before calling in here.
+"""
+from cython.parallel cimport parallel, prange, threadid
+from libc.stdint cimport int64_t, uint64_t, uintptr_t
+
+cimport numpy as cnp
+import numpy as np
+
+cnp.import_array()
+
+cdef extern from "mh_kernels.h" nogil:
+    enum:
+        MH_BLOCK_Q
+        MH_BLOCK_K
+        MH_MASK_NONE
+        MH_MASK_BOOL
+        MH_MASK_ADD
+        MH_ISA_BASELINE
+        MH_ISA_AVX2
+        MH_ISA_AVX512
+        MH_ISA_COUNT
+
+    ctypedef struct mh_attn_args:
+        int64_t n_bh, q_len, kv_len, head_dim, v_dim
+        const void *q
+        const int64_t *q_off
+        int64_t q_row
+        const void *k
+        const int64_t *k_off
+        int64_t k_row
+        const void *v
+        const int64_t *v_off
+        int64_t v_row
+        void *out
+        const int64_t *out_off
+        int64_t out_row
+        int mask_kind
+        const void *mask
+        const int64_t *mask_off
+        int64_t mask_row, mask_col
+        int causal
+        int64_t causal_offset
+        double scale
+        double dropout_p
+        uint64_t seed
+        void *weights
+
+    ctypedef void (*mh_fwd_item_fn)(const mh_attn_args *args, int64_t bh, int64_t q_start,
+                                    void *scratch) noexcept nogil
+
+    ctypedef struct mh_kernel_table:
+        const char *name
+        mh_fwd_item_fn fwd_f32
+        mh_fwd_item_fn fwd_f64
+
+    size_t mh_scratch_bytes(int64_t head_dim, int64_t v_dim, size_t elem_size)
+    int mh_cpu_supports(int isa)
+    int mh_isa_compiled(int isa)
+    const mh_kernel_table *mh_kernels(int isa)
+
+cdef extern from "mh_openmp.h" nogil:
+    int mh_openmp_enabled()
+    int mh_omp_max_threads()
+    int mh_omp_version()
+
+
+ISA_NAMES = ("baseline", "avx2", "avx512")
+BLOCK_Q = MH_BLOCK_Q
+BLOCK_K = MH_BLOCK_K
+MASK_NONE = MH_MASK_NONE
+MASK_BOOL = MH_MASK_BOOL
+MASK_ADD = MH_MASK_ADD
+
+cdef const mh_kernel_table *_table = mh_kernels(MH_ISA_BASELINE)
+
+
+def isa_compiled(str name):
+    """True if the build contains the kernels for ISA ``name``."""
+    return bool(mh_isa_compiled(ISA_NAMES.index(name)))
+
+
+def cpu_supports(str name):
+    """True if this CPU and OS can run the kernels for ISA ``name``."""
+    return bool(mh_cpu_supports(ISA_NAMES.index(name)))
+
+
+def set_isa(str name):
+    """Route all later calls to the kernels of ``name`` (caller has checked support)."""
+    global _table
+    cdef const mh_kernel_table *t = mh_kernels(ISA_NAMES.index(name))
+    if t == NULL:
+        raise RuntimeError(f"kernel path {name!r} is not compiled into this build")
+    _table = t
+
+
+def current_isa():
+    return _table.name.decode()
+
+
+def openmp_enabled():
+    return bool(mh_openmp_enabled())
+
+
+def openmp_version():
+    return mh_omp_version()
+
+
+def omp_max_threads():
+    return mh_omp_max_threads()
+
+
+cdef inline const void *_ptr(object arr):
+    return <const void *>cnp.PyArray_DATA(<cnp.ndarray>arr)
+
+
+def attention_forward(q, const int64_t[::1] q_off, int64_t q_row,
+                      k, const int64_t[::1] k_off, int64_t k_row,
+                      v, const int64_t[::1] v_off, int64_t v_row,
+                      out, const int64_t[::1] out_off, int64_t out_row,
+                      int mask_kind, mask, const int64_t[::1] mask_off,
+                      int64_t mask_row, int64_t mask_col,
+                      int64_t q_len, int64_t kv_len, int64_t head_dim, int64_t v_dim,
+                      bint causal, int64_t causal_offset, double scale,
+                      double dropout_p, uint64_t seed, weights, int num_threads):
+    """Run every (pair, query block) work item; arrays share one float dtype.
+
+    Offsets and strides are in elements relative to each array's data pointer.
+    """
+    cdef mh_attn_args a
+    cdef int64_t n_bh = q_off.shape[0]
+    cdef int64_t n_qb = (q_len + MH_BLOCK_Q - 1) // MH_BLOCK_Q
+    cdef int64_t n_items = n_bh * n_qb
+    cdef bint is_f64 = (<cnp.ndarray>out).dtype.itemsize == 8
+    cdef mh_fwd_item_fn fn = _table.fwd_f64 if is_f64 else _table.fwd_f32
+    cdef size_t item_bytes, stride_bytes
+    cdef int64_t it, bh, qb
+    cdef char *scratch_base
+    cdef int nt = num_threads
+
+    if n_items == 0:
+        return
+    a.n_bh = n_bh
+    a.q_len = q_len
+    a.kv_len = kv_len
+    a.head_dim = head_dim
+    a.v_dim = v_dim
+    a.q = _ptr(q)
+    a.q_off = &q_off[0]
+    a.q_row = q_row
+    a.k = _ptr(k)
+    a.k_off = &k_off[0]
+    a.k_row = k_row
+    a.v = _ptr(v)
+    a.v_off = &v_off[0]
+    a.v_row = v_row
+    a.out = <void *>_ptr(out)
+    a.out_off = &out_off[0]
+    a.out_row = out_row
+    a.mask_kind = mask_kind
+    a.mask = _ptr(mask) if mask_kind != MH_MASK_NONE else NULL
+    a.mask_off = &mask_off[0] if mask_kind != MH_MASK_NONE else NULL
+    a.mask_row = mask_row
+    a.mask_col = mask_col
+    a.causal = causal
+    a.causal_offset = causal_offset
+    a.scale = scale
+    a.dropout_p = dropout_p
+    a.seed = seed
+    a.weights = <void *>_ptr(weights) if weights is not None else NULL
+
+    if nt > n_items:
+        nt = <int>n_items
+    if nt < 1:
+        nt = 1
+    item_bytes = mh_scratch_bytes(head_dim, v_dim, 8 if is_f64 else 4)
+    stride_bytes = (item_bytes + 63) // 64 * 64
+    scratch = np.empty(stride_bytes * nt + 64, dtype=np.uint8)
+    scratch_base = <char *>cnp.PyArray_DATA(scratch)
+    scratch_base += (64 - (<uintptr_t>scratch_base) % 64) % 64
+
+    # Heaviest query blocks (the bottom of the causal triangle) are handed out
+    # first, one item at a time, so neither thread idles at the end.
+    with nogil, parallel(num_threads=nt):
+        for it in prange(n_items, schedule="dynamic", chunksize=1):
+            qb = n_qb - 1 - it // n_bh
+            bh = it % n_bh
+            fn(&a, bh, qb * MH_BLOCK_Q, scratch_base + threadid() * stride_bytes)

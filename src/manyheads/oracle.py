@@ -1,0 +1,178 @@
+"""The pure-NumPy reference that every fast path is checked against.
+
+Written to be read, step by step as attention is taught, not to be fast:
+it materialises every score matrix.  Use it for checking and for learning;
+use :mod:`manyheads.functional` or the modules for work.
+
+All functions compute in the dtype they are given (pass float64 arrays, or
+``dtype=np.float64``, for a high-precision reference).
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+
+__all__ = [
+    "softmax",
+    "causal_mask",
+    "causal_attention_head",
+    "stacked_multi_head_attention",
+    "scaled_dot_product_attention",
+    "dropout_keep_mask",
+]
+
+
+def softmax(scores: np.ndarray) -> np.ndarray:
+    """Row-wise softmax over the last axis, max-subtracted.
+
+    A row whose entries are all -inf (every key masked) becomes all zeros.
+    """
+    row_max = np.max(scores, axis=-1, keepdims=True)
+    # a fully masked row has max -inf; subtract 0 instead so exp gives zeros
+    row_max = np.where(np.isneginf(row_max), 0, row_max)
+    e = np.exp(scores - row_max)
+    total = np.sum(e, axis=-1, keepdims=True)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return np.where(total == 0, 0, e / np.where(total == 0, 1, total))
+
+
+def causal_mask(num_queries: int, num_keys: int, offset: int = 0) -> np.ndarray:
+    """Boolean (L, S) matrix, True where query i must NOT see key j (j > i + offset)."""
+    i = np.arange(num_queries)[:, None]
+    j = np.arange(num_keys)[None, :]
+    return j > i + offset
+
+
+def causal_attention_head(
+    x: np.ndarray,
+    W_query: np.ndarray,
+    W_key: np.ndarray,
+    W_value: np.ndarray,
+    b_query: np.ndarray | None = None,
+    b_key: np.ndarray | None = None,
+    b_value: np.ndarray | None = None,
+    *,
+    dtype: type | None = None,
+    return_weights: bool = False,
+) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
+    """One head of causal self-attention, the way the course spells it out.
+
+    x: (T, d_in) or (B, T, d_in); W_*: (d_in, d_head).  Returns the context
+    vectors Z_h: (..., T, d_head) (and the weights (..., T, T)).
+    """
+    if dtype is not None:
+        x = x.astype(dtype)
+        W_query, W_key, W_value = (w.astype(dtype) for w in (W_query, W_key, W_value))
+    # 1. every token gets its own query, key and value vector
+    queries = x @ W_query
+    keys = x @ W_key
+    values = x @ W_value
+    if b_query is not None:
+        queries = queries + b_query.astype(queries.dtype)
+    if b_key is not None:
+        keys = keys + b_key.astype(keys.dtype)
+    if b_value is not None:
+        values = values + b_value.astype(values.dtype)
+    # 2. attention scores: how well each query matches each key
+    d_k = keys.shape[-1]
+    scores = queries @ np.swapaxes(keys, -1, -2)
+    scores = scores / np.sqrt(d_k).astype(scores.dtype)
+    # 3. causal mask: a token may not look at tokens that come after it
+    T = x.shape[-2]
+    scores = np.where(causal_mask(T, T), -np.inf, scores)
+    # 4. softmax turns the scores of each query into weights that sum to 1
+    weights = softmax(scores)
+    # 5. each context vector is the weighted sum of the value vectors
+    context = weights @ values
+    return (context, weights) if return_weights else context
+
+
+def stacked_multi_head_attention(
+    x: np.ndarray,
+    heads: Sequence[tuple[np.ndarray, ...]],
+    W_out: np.ndarray | None = None,
+    b_out: np.ndarray | None = None,
+    *,
+    dtype: type | None = None,
+) -> np.ndarray:
+    """Multi-head attention as a stack of independent heads.
+
+    ``heads`` holds one tuple (W_query, W_key, W_value[, b_query, b_key,
+    b_value]) per head.  Each head computes its own Z_h; the Z_h are
+    concatenated along the feature axis into one matrix Z, which goes through
+    the output projection when ``W_out`` is given.
+    """
+    contexts = [causal_attention_head(x, *h, dtype=dtype) for h in heads]
+    Z = np.concatenate(contexts, axis=-1)  # (..., T, num_heads * d_head)
+    if W_out is not None:
+        Z = Z @ (W_out if dtype is None else W_out.astype(dtype))
+        if b_out is not None:
+            Z = Z + b_out.astype(Z.dtype)
+    return Z
+
+
+def dropout_keep_mask(
+    seed: int, shape: tuple[int, ...], p: float
+) -> np.ndarray:
+    """The keep/drop pattern of the kernels' dropout stream for weights of ``shape``.
+
+    ``shape`` is (..., L, S); element (pair, i, j) is kept iff the top 24 bits
+    of a counter-based hash of (seed, pair, i, j) are at least p * 2^24.
+    """
+    *batch, L, S = shape
+    n_pairs = int(np.prod(batch, dtype=np.int64))
+    idx = np.arange(n_pairs * L * S, dtype=np.uint64)  # (pair * L + i) * S + j
+    with np.errstate(over="ignore"):
+        z = np.uint64(seed) + idx * np.uint64(0x9E3779B97F4A7C15)
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        z = z ^ (z >> np.uint64(31))
+    u = (z >> np.uint64(40)).astype(np.float64) / 16777216.0
+    return (u >= p).reshape(shape)
+
+
+def scaled_dot_product_attention(
+    query: np.ndarray,
+    key: np.ndarray,
+    value: np.ndarray,
+    attn_mask: np.ndarray | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+    *,
+    causal_offset: int = 0,
+    seed: int = 0,
+    return_weights: bool = False,
+    dtype: type | None = None,
+) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
+    """Reference for :func:`manyheads.scaled_dot_product_attention` (same semantics).
+
+    ``causal_offset`` shifts the causal triangle (query i sees keys
+    j <= i + offset); ``seed`` selects the same dropout pattern as the kernels.
+    """
+    if dtype is not None:
+        query, key, value = (a.astype(dtype) for a in (query, key, value))
+    L, E = query.shape[-2:]
+    S = key.shape[-2]
+    if enable_gqa:
+        group = query.shape[-3] // key.shape[-3]
+        key = np.repeat(key, group, axis=-3)  # kv head h serves query heads h*g .. h*g+g-1
+        value = np.repeat(value, group, axis=-3)
+    scale = 1.0 / np.sqrt(E) if scale is None else scale
+    scores = (query @ np.swapaxes(key, -1, -2)) * np.asarray(scale, dtype=query.dtype)
+    if is_causal:
+        scores = np.where(causal_mask(L, S, causal_offset), -np.inf, scores)
+    if attn_mask is not None:
+        if attn_mask.dtype == np.bool_:
+            scores = np.where(attn_mask, scores, -np.inf)
+        else:
+            scores = scores + attn_mask.astype(scores.dtype)
+    weights = softmax(scores)
+    if dropout_p > 0:
+        keep = dropout_keep_mask(seed, weights.shape, dropout_p)
+        factor = 0.0 if dropout_p >= 1 else 1.0 / (1.0 - dropout_p)
+        weights = np.where(keep, weights * np.asarray(factor, weights.dtype), 0)
+    out = weights @ value
+    return (out, weights) if return_weights else out
