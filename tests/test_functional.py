@@ -1,0 +1,203 @@
+"""scaled_dot_product_attention against the NumPy oracle (and PyTorch when installed)."""
+import numpy as np
+import pytest
+
+import manyheads as mh
+from manyheads import oracle
+
+from conftest import atol_for, normal
+
+DTYPES = [np.float32, np.float64]
+
+
+def reference(q, k, v, **kw):
+    """The oracle in float64 on the same inputs."""
+    return oracle.scaled_dot_product_attention(
+        q.astype(np.float64), k.astype(np.float64), v.astype(np.float64), **kw)
+
+
+def qkv(rng, B, H, L, S, E, Ev=None, dtype=np.float64, Hkv=None):
+    Hkv = H if Hkv is None else Hkv
+    return (normal(rng, (B, H, L, E), dtype), normal(rng, (B, Hkv, S, E), dtype),
+            normal(rng, (B, Hkv, S, Ev or E), dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim", [1, 8, 64, 80, 128])
+@pytest.mark.parametrize("T", [1, 7, 63, 64, 65, 200])
+def test_causal_matches_oracle_over_shapes(rng, dtype, head_dim, T):
+    q, k, v = qkv(rng, 2, 3, T, T, head_dim, dtype=dtype)
+    out = mh.scaled_dot_product_attention(q, k, v, is_causal=True)
+    assert out.dtype == dtype and out.shape == (2, 3, T, head_dim)
+    np.testing.assert_allclose(out, reference(q, k, v, is_causal=True), rtol=0,
+                               atol=atol_for(dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("B,H", [(1, 1), (3, 5), (16, 12)])
+def test_batch_and_head_counts(rng, dtype, B, H):
+    q, k, v = qkv(rng, B, H, 33, 33, 16, dtype=dtype)
+    out = mh.scaled_dot_product_attention(q, k, v, is_causal=True)
+    np.testing.assert_allclose(out, reference(q, k, v, is_causal=True), rtol=0,
+                               atol=atol_for(dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_long_sequence_within_documented_float32_tolerance(rng, dtype):
+    q, k, v = qkv(rng, 1, 2, 1024, 1024, 64, dtype=dtype)
+    out = mh.scaled_dot_product_attention(q, k, v, is_causal=True)
+    np.testing.assert_allclose(out, reference(q, k, v, is_causal=True), rtol=0,
+                               atol=atol_for(dtype))
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_rectangular_and_value_width(rng, causal):
+    q, k, v = qkv(rng, 2, 2, 37, 150, 24, Ev=40)
+    out = mh.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    assert out.shape == (2, 2, 37, 40)
+    np.testing.assert_allclose(out, reference(q, k, v, is_causal=causal), rtol=0, atol=1e-10)
+
+
+def test_unbatched_and_extra_batch_dims_broadcast(rng):
+    q = normal(rng, (2, 3, 4, 20, 8))
+    k = normal(rng, (3, 1, 20, 8))       # broadcasts over the leading 2 and the head axis
+    v = normal(rng, (1, 4, 20, 8))
+    out = mh.scaled_dot_product_attention(q, k, v, is_causal=True)
+    assert out.shape == (2, 3, 4, 20, 8)
+    np.testing.assert_allclose(out, reference(q, k, v, is_causal=True), rtol=0, atol=1e-10)
+    q2 = normal(rng, (20, 8))
+    np.testing.assert_allclose(mh.scaled_dot_product_attention(q2, q2, q2),
+                               reference(q2, q2, q2), rtol=0, atol=1e-10)
+
+
+def test_scale_argument(rng):
+    q, k, v = qkv(rng, 1, 2, 30, 30, 16)
+    out = mh.scaled_dot_product_attention(q, k, v, is_causal=True, scale=0.7)
+    np.testing.assert_allclose(out, reference(q, k, v, is_causal=True, scale=0.7), rtol=0,
+                               atol=1e-10)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_boolean_and_additive_masks(rng, dtype):
+    q, k, v = qkv(rng, 2, 3, 70, 90, 16, dtype=dtype)
+    bool_mask = rng.random((2, 1, 70, 90)) > 0.3
+    out = mh.scaled_dot_product_attention(q, k, v, attn_mask=bool_mask)
+    np.testing.assert_allclose(out, reference(q, k, v, attn_mask=bool_mask), rtol=0,
+                               atol=atol_for(dtype))
+    add_mask = normal(rng, (70, 90), dtype)
+    out = mh.scaled_dot_product_attention(q, k, v, attn_mask=add_mask)
+    np.testing.assert_allclose(out, reference(q, k, v, attn_mask=add_mask), rtol=0,
+                               atol=atol_for(dtype))
+
+
+def test_fully_masked_rows_give_zeros_not_nan(rng):
+    q, k, v = qkv(rng, 1, 2, 10, 12, 8)
+    mask = np.ones((10, 12), dtype=bool)
+    mask[3] = False
+    out, w = mh.scaled_dot_product_attention(q, k, v, attn_mask=mask, return_weights=True)
+    assert np.all(out[:, :, 3] == 0) and np.all(w[:, :, 3] == 0)
+    assert np.isfinite(out).all()
+    float_mask = np.zeros((10, 12))
+    float_mask[5] = -np.inf
+    out = mh.scaled_dot_product_attention(q, k, v, attn_mask=float_mask)
+    assert np.all(out[:, :, 5] == 0) and np.isfinite(out).all()
+    np.testing.assert_allclose(out, reference(q, k, v, attn_mask=float_mask), rtol=0, atol=1e-10)
+
+
+def test_empty_key_sequence_gives_zeros(rng):
+    q, k, v = qkv(rng, 1, 1, 4, 0, 8)
+    out = mh.scaled_dot_product_attention(q, k, v)
+    assert out.shape == (1, 1, 4, 8) and np.all(out == 0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_return_weights_match_oracle_and_rows_sum_to_one(rng, dtype):
+    q, k, v = qkv(rng, 2, 2, 100, 100, 32, dtype=dtype)
+    out, w = mh.scaled_dot_product_attention(q, k, v, is_causal=True, return_weights=True)
+    ref_out, ref_w = reference(q, k, v, is_causal=True, return_weights=True)
+    np.testing.assert_allclose(w, ref_w, rtol=0, atol=atol_for(dtype))
+    np.testing.assert_allclose(out, ref_out, rtol=0, atol=atol_for(dtype))
+    np.testing.assert_allclose(w.sum(-1), 1.0, atol=atol_for(dtype))
+    assert np.all(np.triu(w[0, 0], k=1) == 0)
+
+
+@pytest.mark.parametrize("Hq,Hkv", [(8, 2), (6, 1), (4, 4)])
+def test_grouped_query_attention(rng, Hq, Hkv):
+    q, k, v = qkv(rng, 2, Hq, 50, 50, 16, Hkv=Hkv)
+    out = mh.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    np.testing.assert_allclose(
+        out, reference(q, k, v, is_causal=True, enable_gqa=True), rtol=0, atol=1e-10)
+    # head h uses kv head h // (Hq // Hkv): consecutive groups
+    h = Hq - 1
+    kv = h // (Hq // Hkv)
+    one = mh.scaled_dot_product_attention(q[:, h:h + 1], k[:, kv:kv + 1], v[:, kv:kv + 1],
+                                          is_causal=True)
+    np.testing.assert_array_equal(one[:, 0], out[:, h])
+
+
+def test_non_contiguous_transposed_and_read_only_inputs(rng):
+    packed = normal(rng, (2, 40, 3 * 4 * 16), np.float32)   # (B, T, 3*H*D), like a QKV GEMM
+    q, k, v = (packed[..., i * 64:(i + 1) * 64].reshape(2, 40, 4, 16).transpose(0, 2, 1, 3)
+               for i in range(3))
+    assert not q.flags.c_contiguous
+    for a in (q, k, v):
+        a.flags.writeable = False
+    out = mh.scaled_dot_product_attention(q, k, v, is_causal=True)
+    np.testing.assert_allclose(out, reference(q, k, v, is_causal=True), rtol=0, atol=1e-5)
+    # a view whose last axis is strided, and a reversed (negative-stride) view
+    q2 = np.asfortranarray(normal(rng, (30, 8)))
+    kr = normal(rng, (30, 8))[::-1]
+    out = mh.scaled_dot_product_attention(q2, kr, kr, is_causal=True)
+    np.testing.assert_allclose(out, reference(q2, kr, kr, is_causal=True), rtol=0, atol=1e-10)
+    ro = normal(rng, (1, 2, 30, 8))
+    ro.flags.writeable = False
+    mh.scaled_dot_product_attention(ro, ro, ro)  # must not try to write into inputs
+
+
+@pytest.mark.parametrize("p", [0.1, 0.5, 1.0])
+def test_dropout_matches_oracle_stream(rng, p):
+    q, k, v = qkv(rng, 2, 3, 70, 70, 16)
+    out, w = mh.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=p, seed=7,
+                                             return_weights=True)
+    ref_out, ref_w = reference(q, k, v, is_causal=True, dropout_p=p, seed=7, return_weights=True)
+    np.testing.assert_allclose(w, ref_w, rtol=0, atol=1e-10)
+    np.testing.assert_allclose(out, ref_out, rtol=0, atol=1e-10)
+    kept = (ref_w > 0).sum() / np.count_nonzero(np.tril(np.ones((70, 70)))) / (2 * 3)
+    assert abs(kept - (1 - p)) < 0.05
+
+
+def test_dropout_is_reproducible_by_seed_and_varies_without(rng):
+    q, k, v = qkv(rng, 1, 2, 40, 40, 8)
+    a = mh.scaled_dot_product_attention(q, k, v, dropout_p=0.3, seed=1)
+    b = mh.scaled_dot_product_attention(q, k, v, dropout_p=0.3, seed=1)
+    c = mh.scaled_dot_product_attention(q, k, v, dropout_p=0.3, seed=2)
+    np.testing.assert_array_equal(a, b)
+    assert not np.array_equal(a, c)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_identical_results_for_one_and_two_threads(rng, dtype):
+    q, k, v = qkv(rng, 2, 5, 300, 300, 40, dtype=dtype)
+    one = mh.scaled_dot_product_attention(q, k, v, is_causal=True, num_threads=1)
+    two = mh.scaled_dot_product_attention(q, k, v, is_causal=True, num_threads=2)
+    again = mh.scaled_dot_product_attention(q, k, v, is_causal=True, num_threads=2)
+    np.testing.assert_array_equal(one, two)
+    np.testing.assert_array_equal(two, again)
+
+
+def test_set_num_threads_round_trip():
+    before = mh.get_num_threads()
+    try:
+        mh.set_num_threads(1)
+        assert mh.get_num_threads() == 1
+    finally:
+        mh.set_num_threads(None)
+    assert mh.get_num_threads() == before
+
+
+def test_inputs_are_not_modified(rng):
+    q, k, v = qkv(rng, 1, 2, 20, 20, 8)
+    copies = [a.copy() for a in (q, k, v)]
+    mh.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=0.2, seed=3)
+    for a, c in zip((q, k, v), copies):
+        np.testing.assert_array_equal(a, c)

@@ -1,0 +1,54 @@
+"""Every kernel path this CPU can run passes the oracle tests; forcing paths is safe."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import manyheads as mh
+from manyheads import _kernels
+
+HERE = Path(__file__).parent
+RUNNABLE = [n for n in _kernels.ISA_NAMES if _kernels.isa_compiled(n) and _kernels.cpu_supports(n)]
+
+
+def run_python(code, isa):
+    env = dict(os.environ, MANYHEADS_ISA=isa)
+    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                          timeout=600)
+
+
+@pytest.mark.parametrize("isa", RUNNABLE)
+def test_forced_path_passes_the_oracle_tests(isa):
+    env = dict(os.environ, MANYHEADS_ISA=isa)
+    files = [str(HERE / f) for f in ("test_functional.py", "test_modules.py",
+                                     "test_block_boundaries.py")]
+    res = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *files],
+                         env=env, capture_output=True, text=True, timeout=1200, cwd=HERE)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert " passed" in res.stdout
+
+
+@pytest.mark.parametrize("isa", RUNNABLE)
+def test_show_config_names_the_forced_path(isa):
+    res = run_python("import manyheads as mh; mh.show_config(); print(mh.kernel_isa())", isa)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.strip().splitlines()[-1] == isa
+    assert f"kernel path      : {isa} (forced by MANYHEADS_ISA)" in res.stdout
+
+
+def test_unknown_or_unsupported_path_is_a_clear_error():
+    res = run_python("import manyheads", "sse9")
+    assert res.returncode != 0 and "MANYHEADS_ISA='sse9'" in res.stderr
+    assert "Segmentation" not in res.stderr
+    for isa in _kernels.ISA_NAMES:
+        if isa not in RUNNABLE:
+            res = run_python("import manyheads", isa)
+            assert res.returncode != 0 and ("does not support" in res.stderr or "has no" in res.stderr)
+
+
+def test_default_path_is_the_best_runnable_one():
+    best = next(n for n in ("avx512", "avx2", "baseline") if n in RUNNABLE)
+    if not os.environ.get("MANYHEADS_ISA"):
+        assert mh.kernel_isa() == best

@@ -1,0 +1,115 @@
+"""Every bad input raises a clear ValueError/TypeError naming the argument, before any kernel."""
+import numpy as np
+import pytest
+
+import manyheads as mh
+
+sdpa = mh.scaled_dot_product_attention
+
+
+def arr(*shape, dtype=np.float32):
+    return np.ones(shape, dtype=dtype)
+
+
+@pytest.mark.parametrize("kwargs,exc,match", [
+    (dict(query=arr(4), key=arr(4, 8), value=arr(4, 8)), ValueError, "query"),
+    (dict(query=arr(1, 4, 8), key=arr(1, 4, 7), value=arr(1, 4, 8)), ValueError, "last dimension"),
+    (dict(query=arr(1, 4, 8), key=arr(1, 5, 8), value=arr(1, 4, 8)), ValueError, "key and value"),
+    (dict(query=arr(2, 4, 8), key=arr(3, 4, 8), value=arr(3, 4, 8)), ValueError, "broadcast"),
+    (dict(query=arr(4, 8, dtype=np.float16), key=arr(4, 8), value=arr(4, 8)), TypeError,
+     "float32 or float64"),
+    (dict(query=arr(4, 8), key=arr(4, 8, dtype=np.float64), value=arr(4, 8)), TypeError,
+     "one dtype"),
+    (dict(query=arr(4, 8).astype(np.complex64), key=arr(4, 8), value=arr(4, 8)), TypeError,
+     "query"),
+    (dict(query=arr(4, 8), key=arr(4, 8), value=arr(4, 8), attn_mask=np.ones((4, 4), bool),
+          is_causal=True), ValueError, "not both"),
+    (dict(query=arr(4, 8), key=arr(4, 8), value=arr(4, 8), attn_mask=np.ones((4, 4), np.int32)),
+     TypeError, "attn_mask"),
+    (dict(query=arr(4, 8), key=arr(4, 8), value=arr(4, 8), attn_mask=np.ones((3, 4), bool)),
+     ValueError, "attn_mask"),
+    (dict(query=arr(4, 8), key=arr(4, 8), value=arr(4, 8), dropout_p=-0.1), ValueError,
+     "dropout_p"),
+    (dict(query=arr(4, 8), key=arr(4, 8), value=arr(4, 8), dropout_p=1.5), ValueError,
+     "dropout_p"),
+    (dict(query=arr(4, 8), key=arr(4, 8), value=arr(4, 8), scale=float("nan")), ValueError,
+     "scale"),
+    (dict(query=arr(4, 8), key=arr(4, 8), value=arr(4, 8), scale="big"), TypeError, "scale"),
+    (dict(query=arr(4, 8), key=arr(4, 8), value=arr(4, 8), num_threads=0), ValueError,
+     "num_threads"),
+    (dict(query=arr(4, 8), key=arr(4, 8), value=arr(4, 8), num_threads=2.0), TypeError,
+     "num_threads"),
+    (dict(query=arr(1, 6, 4, 8), key=arr(1, 4, 4, 8), value=arr(1, 4, 4, 8), enable_gqa=True),
+     ValueError, "multiple"),
+    (dict(query=arr(4, 8), key=arr(4, 8), value=arr(4, 8), enable_gqa=True), ValueError,
+     "head axis"),
+    (dict(query=arr(4, 0), key=arr(4, 0), value=arr(4, 8)), ValueError, "at least 1"),
+    (dict(query=None, key=arr(4, 8), value=arr(4, 8)), TypeError, "query"),
+    (dict(query=arr(4, 8), key=arr(4, 8), value=arr(4, 8), seed=1.5, dropout_p=0.5), TypeError,
+     "seed"),
+])
+def test_functional_rejects_bad_input(kwargs, exc, match):
+    with pytest.raises(exc, match=match):
+        sdpa(**kwargs)
+
+
+@pytest.mark.parametrize("ctor,exc,match", [
+    (lambda: mh.MultiHeadAttention(8, 10, 16, 0.0, 3), ValueError, "divisible by num_heads"),
+    (lambda: mh.StackedMultiHeadAttention(8, 10, 16, 0.0, 4), ValueError, "divisible"),
+    (lambda: mh.MultiHeadAttention(8, 12, 16, -0.1, 3), ValueError, "dropout"),
+    (lambda: mh.CausalAttention(8, 4, 16, dropout=2.0), ValueError, "dropout"),
+    (lambda: mh.MultiHeadAttention(8, 12, 16, 0.0, 0), ValueError, "num_heads"),
+    (lambda: mh.MultiHeadAttention(8, 12, 16, 0.0, 3.0), TypeError, "num_heads"),
+    (lambda: mh.MultiHeadAttention(8, 12, 16, 0.0, 4, num_kv_heads=3), ValueError,
+     "num_kv_heads"),
+    (lambda: mh.MultiHeadAttention(8, 12, 16, 0.0, 3, dtype=np.float16), TypeError,
+     "float32 or float64"),
+    (lambda: mh.CausalAttention(0, 4, 16), ValueError, "d_in"),
+    (lambda: mh.CausalAttention(8, 4, 0), ValueError, "context_length"),
+])
+def test_constructors_reject_bad_arguments(ctor, exc, match):
+    with pytest.raises(exc, match=match):
+        ctor()
+
+
+@pytest.fixture(params=["fused", "stacked", "single"])
+def module(request):
+    if request.param == "fused":
+        return mh.MultiHeadAttention(8, 12, 16, 0.0, 3, seed=0)
+    if request.param == "stacked":
+        return mh.StackedMultiHeadAttention(8, 12, 16, 0.0, 3, seed=0)
+    return mh.CausalAttention(8, 12, 16, seed=0)
+
+
+@pytest.mark.parametrize("x,exc,match", [
+    (np.ones((17, 8), np.float32), ValueError, "context_length"),
+    (np.ones((2, 4, 7), np.float32), ValueError, "d_in"),
+    (np.ones((8,), np.float32), ValueError, "shape"),
+    (np.ones((1, 1, 4, 8), np.float32), ValueError, "shape"),
+    (np.ones((4, 8), np.int64), TypeError, "float32 or float64"),
+    (np.ones((4, 8), np.float16), TypeError, "float32 or float64"),
+])
+def test_modules_reject_bad_input(module, x, exc, match):
+    with pytest.raises(exc, match=match):
+        module(x)
+
+
+def test_modules_reject_bad_thread_count_and_training_flag(module):
+    x = np.ones((4, 8), np.float32)
+    with pytest.raises(ValueError, match="num_threads"):
+        module(x, num_threads=-1)
+    with pytest.raises(TypeError, match="training"):
+        module(x, training="yes")
+
+
+def test_set_num_threads_rejects_bad_values():
+    with pytest.raises(ValueError):
+        mh.set_num_threads(0)
+    with pytest.raises(TypeError):
+        mh.set_num_threads("2")
+
+
+def test_to_stacked_refuses_grouped_query_modules():
+    m = mh.MultiHeadAttention(8, 12, 16, 0.0, 4, num_kv_heads=2, dtype=np.float64)
+    with pytest.raises(ValueError, match="num_kv_heads"):
+        m.to_stacked()
