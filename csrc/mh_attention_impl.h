@@ -18,8 +18,9 @@
  *   st      [BK][BQ]     one tile of scores, transposed (key-major), then
  *                        overwritten by its unnormalised probabilities
  *   acc     [BQ][EVP]    output accumulator, EVP = Ev rounded up to 16
- *   vpack   [BK][EVP]    value block copied with zero padding (only when Ev
- *                        is not a multiple of VW)
+ *   kpack   [BK][E]      key block copied contiguous (keys of a fused QKV
+ *                        buffer lie a whole row of Q, K and V apart)
+ *   vpack   [BK][EVP]    value block copied contiguous, zero padded
  *   row_max, row_sum, alpha   [BQ]
  *
  * The key-major score tile makes the softmax reductions vertical: the running
@@ -32,6 +33,7 @@
 #ifndef MH_IMPL_COMMON_DONE
 #define MH_IMPL_COMMON_DONE
 #include <math.h>
+#include <string.h>
 #include "mh_kernels.h"
 #if defined(_MSC_VER)
 #define MH_INLINE static __forceinline
@@ -131,10 +133,13 @@ static void FN(mix_values)(T *acc, int64_t evp, const T *alpha, const T *st, int
    triangle and the user mask applied (masked entries become -inf). */
 static void FN(masked_scores)(const mh_attn_args *a, int64_t bh, int64_t q0, int64_t nq,
                               int64_t nvq, int64_t k0, int64_t nk, const T *qt, const T *k,
-                              T *st)
+                              T *kpack, T *st)
 {
     const T neg_inf = (T)(-INFINITY);
-    FN(scores)(qt, a->head_dim, k + k0 * a->k_row, a->k_row, nk, nvq, st);
+    const int64_t E = a->head_dim;
+    for (int64_t j = 0; j < nk; ++j)
+        memcpy(kpack + j * E, k + (k0 + j) * a->k_row, (size_t)E * sizeof(T));
+    FN(scores)(qt, E, kpack, E, nk, nvq, st);
     /* only blocks that cross the diagonal need element masking */
     if (a->causal && k0 + nk - 1 > q0 + a->causal_offset) {
         for (int64_t j = 0; j < nk; ++j) {
@@ -180,12 +185,12 @@ void FN(mh_fwd_item)(const mh_attn_args *a, int64_t bh, int64_t q0, void *scratc
     const int64_t nvq = (nq + VW - 1) / VW;
     const int64_t evp = MH_ALIGN_UP(Ev, 16);
     const int64_t nvv = (Ev + VW - 1) / VW;
-    const int pack_v = (Ev % VW) != 0;
 
     T *qt = (T *)scratch;
     T *st = qt + MH_ALIGN_UP(E * BQ, 16);
     T *acc = st + BK * BQ;
-    T *vpack = acc + BQ * evp;
+    T *kpack = acc + BQ * evp;
+    T *vpack = kpack + MH_ALIGN_UP(BK * E, 16);
     T *row_max = vpack + BK * evp;
     T *row_sum = row_max + BQ;
     T *alpha = row_sum + BQ;
@@ -206,8 +211,7 @@ void FN(mh_fwd_item)(const mh_attn_args *a, int64_t bh, int64_t q0, void *scratc
         row_sum[i] = 0;
     }
     for (int64_t i = 0; i < nq * evp; ++i) acc[i] = 0;
-    if (pack_v)
-        for (int64_t i = 0; i < BK * evp; ++i) vpack[i] = 0;
+    for (int64_t i = 0; i < BK * evp; ++i) vpack[i] = 0; /* padding columns stay 0 */
 
     /* keys beyond the last row's causal limit are never touched */
     int64_t k_end = S;
@@ -218,7 +222,7 @@ void FN(mh_fwd_item)(const mh_attn_args *a, int64_t bh, int64_t q0, void *scratc
 
     for (int64_t k0 = 0; k0 < k_end; k0 += BK) {
         const int64_t nk = (k_end - k0 < BK) ? k_end - k0 : BK;
-        FN(masked_scores)(a, bh, q0, nq, nvq, k0, nk, qt, k, st);
+        FN(masked_scores)(a, bh, q0, nq, nvq, k0, nk, qt, k, kpack, st);
 
         /* online softmax, vectorised across query rows */
         for (int64_t c = 0; c < nvq; ++c) {
@@ -241,15 +245,9 @@ void FN(mh_fwd_item)(const mh_attn_args *a, int64_t bh, int64_t q0, void *scratc
         }
         if (a->dropout_p > 0) FN(apply_dropout)(a, bh, q0, nq, k0, nk, st);
 
-        const T *vb = v + k0 * a->v_row;
-        int64_t vstride = a->v_row;
-        if (pack_v) {
-            for (int64_t j = 0; j < nk; ++j)
-                for (int64_t d = 0; d < Ev; ++d) vpack[j * evp + d] = vb[j * a->v_row + d];
-            vb = vpack;
-            vstride = evp;
-        }
-        FN(mix_values)(acc, evp, alpha, st, nk, nq, vb, vstride, nvv);
+        for (int64_t j = 0; j < nk; ++j)
+            memcpy(vpack + j * evp, v + (k0 + j) * a->v_row, (size_t)Ev * sizeof(T));
+        FN(mix_values)(acc, evp, alpha, st, nk, nq, vpack, evp, nvv);
     }
 
     /* normalise once; rows that saw no key have row_sum == 0 and give zeros */
@@ -266,7 +264,7 @@ void FN(mh_fwd_item)(const mh_attn_args *a, int64_t bh, int64_t q0, void *scratc
         for (int64_t i = 0; i < nvq * VW; ++i) row_max[i] = i < nq ? row_max[i] : 0;
         for (int64_t k0 = 0; k0 < k_end; k0 += BK) {
             const int64_t nk = (k_end - k0 < BK) ? k_end - k0 : BK;
-            FN(masked_scores)(a, bh, q0, nq, nvq, k0, nk, qt, k, st);
+            FN(masked_scores)(a, bh, q0, nq, nvq, k0, nk, qt, k, kpack, st);
             for (int64_t c = 0; c < nvq; ++c) {
                 V m_use = V_NEG_INF_TO_ZERO(V_LOAD(row_max + c * VW));
                 V inv = V_LOAD(row_sum + c * VW);

@@ -22,8 +22,9 @@ size_t mh_scratch_bytes(int64_t head_dim, int64_t v_dim, size_t elem_size)
     /* mirrors the layout in mh_attention_impl.h; every part a multiple of 16 elements */
     const int64_t evp = (v_dim + 15) / 16 * 16;
     const int64_t qt = (head_dim * MH_BLOCK_Q + 15) / 16 * 16;
+    const int64_t kpack = (head_dim * MH_BLOCK_K + 15) / 16 * 16;
     const int64_t elems = qt + (int64_t)MH_BLOCK_K * MH_BLOCK_Q + (int64_t)MH_BLOCK_Q * evp +
-                          (int64_t)MH_BLOCK_K * evp + 3 * MH_BLOCK_Q;
+                          kpack + (int64_t)MH_BLOCK_K * evp + 3 * MH_BLOCK_Q;
     return (size_t)elems * elem_size + 64;
 }
 

@@ -12,10 +12,35 @@ semantics.  :mod:`manyheads.oracle` is the readable reference.
 """
 __version__ = "0.1.0"
 
-from . import _config, oracle
-from ._config import get_num_threads, kernel_isa, set_num_threads, show_config
-from .functional import scaled_dot_product_attention
-from .modules import CausalAttention, MultiHeadAttention, StackedMultiHeadAttention
+import os as _os
+
+
+def _load_kernels() -> None:
+    """Import the extension so that its OpenMP threads sleep soon after each call.
+
+    By default GNU OpenMP spins its idle threads for a long while after a
+    parallel region; on a small machine they then steal the cores from NumPy's
+    BLAS threads that run the projections next (and vice versa).  Unless the
+    user chose a policy (OMP_WAIT_POLICY or GOMP_SPINCOUNT), a short spin is
+    set for the moment the runtime initialises, then the environment is
+    restored so other libraries are unaffected.
+    """
+    chosen = "OMP_WAIT_POLICY" in _os.environ or "GOMP_SPINCOUNT" in _os.environ
+    if not chosen:
+        _os.environ["GOMP_SPINCOUNT"] = "10000"
+    try:
+        from . import _kernels  # noqa: F401
+    finally:
+        if not chosen:
+            del _os.environ["GOMP_SPINCOUNT"]
+
+
+_load_kernels()
+
+from . import _config, oracle  # noqa: E402
+from ._config import get_num_threads, kernel_isa, set_num_threads, show_config  # noqa: E402
+from .functional import scaled_dot_product_attention  # noqa: E402
+from .modules import CausalAttention, MultiHeadAttention, StackedMultiHeadAttention  # noqa: E402
 
 _config._init()
 

@@ -184,10 +184,11 @@ def attention_forward(q, const int64_t[::1] q_off, int64_t q_row,
     scratch_base = <char *>cnp.PyArray_DATA(scratch)
     scratch_base += (64 - (<uintptr_t>scratch_base) % 64) % 64
 
-    # Heaviest query blocks (the bottom of the causal triangle) are handed out
-    # first, one item at a time, so neither thread idles at the end.
+    # Items go out one at a time, pair by pair (so the threads share one pair's
+    # keys and values in cache) and, within a pair, heaviest query block (the
+    # bottom of the causal triangle) first, so no thread idles at the end.
     with nogil, parallel(num_threads=nt):
         for it in prange(n_items, schedule="dynamic", chunksize=1):
-            qb = n_qb - 1 - it // n_bh
-            bh = it % n_bh
+            bh = it // n_qb
+            qb = n_qb - 1 - it % n_qb
             fn(&a, bh, qb * MH_BLOCK_Q, scratch_base + threadid() * stride_bytes)

@@ -1,0 +1,139 @@
+"""``python -m manyheads``: a demo on built-in defaults, ``bench`` and ``info``.
+
+    python -m manyheads            # demo: a 768-wide, 12-head layer on built-in text
+    python -m manyheads bench      # compare with PyTorch SDPA, the oracle and SGEMM
+    python -m manyheads info       # kernel path, OpenMP, threads
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+import manyheads as mh
+from manyheads import oracle
+
+DEMO_TEXT = (
+    "Attention lets every token of a sequence look back at the tokens before it and "
+    "decide how much each of them matters. A causal mask hides the future, so a model "
+    "that predicts the next token never peeks at it. Multi-head attention runs several "
+    "of these lookups side by side, each head with its own queries, keys and values, and "
+    "concatenates what they find. On a CPU the work is a stream of small matrix products "
+    "and exponentials, and doing it well means never writing the full score matrix to "
+    "memory."
+)
+
+
+def demo_input(d_model: int = 768, seed: int = 0) -> tuple[np.ndarray, list[str]]:
+    """Byte-level tokens of DEMO_TEXT embedded by a seeded table plus positions: (T, d)."""
+    tokens = list(DEMO_TEXT.encode("utf-8"))
+    rng = np.random.default_rng(seed)
+    table = rng.standard_normal((256, d_model)).astype(np.float32)
+    pos = rng.standard_normal((len(tokens), d_model)).astype(np.float32) * 0.1
+    x = table[tokens] + pos
+    return x, [chr(t) for t in tokens]
+
+
+def _time(fn: Callable[[], Any], repeats: int = 5) -> tuple[float, Any]:
+    result = fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times)), result
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    d, H = 768, 12
+    x, tokens = demo_input(d)
+    T = x.shape[0]
+    print(f"manyheads {mh.__version__} demo: causal self-attention, d_model={d}, {H} heads "
+          f"(head_dim {d // H}), {T} byte tokens of built-in text, float32")
+    print(f"kernel path: {mh.kernel_isa()}   threads: {mh.get_num_threads()}")
+    fused = mh.MultiHeadAttention(d, d, 1024, 0.0, H, qkv_bias=True, seed=42)
+    stacked = fused.to_stacked()
+    heads = [(h.W_query, h.W_key, h.W_value, h.b_query, h.b_key, h.b_value)
+             for h in stacked.heads]
+    t_oracle, ref = _time(lambda: oracle.stacked_multi_head_attention(
+        x, heads, fused.W_out, fused.b_out, dtype=np.float64), 3)
+    t_fused, y_fused = _time(lambda: fused(x))
+    t_stacked, y_stacked = _time(lambda: stacked(x))
+    print(f"largest |fused   - oracle(float64)|: {np.abs(y_fused - ref).max():.2e}")
+    print(f"largest |stacked - oracle(float64)|: {np.abs(y_stacked - ref).max():.2e}")
+    print("median time per call:")
+    print(f"  manyheads fused    {t_fused * 1e3:8.2f} ms")
+    print(f"  manyheads stacked  {t_stacked * 1e3:8.2f} ms")
+    print(f"  NumPy oracle       {t_oracle * 1e3:8.2f} ms  (float64, step by step)")
+    try:
+        import torch
+    except ImportError:
+        print("  PyTorch SDPA       (torch not installed: pip install 'manyheads[bench]')")
+    else:
+        torch.set_num_threads(mh.get_num_threads())
+        F = torch.nn.functional
+        tx = torch.from_numpy(x)
+        w = torch.from_numpy(np.ascontiguousarray(fused.W_qkv.T))
+        b = torch.from_numpy(fused.b_qkv)
+        wo = torch.from_numpy(np.ascontiguousarray(fused.W_out.T))
+        bo = torch.from_numpy(fused.b_out)
+
+        def torch_layer() -> Any:
+            q, k, v = (p.view(T, H, d // H).transpose(0, 1)
+                       for p in F.linear(tx, w, b).split(d, dim=-1))
+            ctx = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            return F.linear(ctx.transpose(0, 1).reshape(T, d), wo, bo)
+
+        with torch.inference_mode():
+            t_torch, y_torch = _time(torch_layer)
+        print(f"  PyTorch SDPA layer {t_torch * 1e3:8.2f} ms  "
+              f"(same weights; largest |torch - oracle|: {np.abs(y_torch.numpy() - ref).max():.2e})")
+    _, w = fused(x, return_weights=True)
+    last = w[:, -1]  # every head's weights for the final token
+    top = [tokens[i] for i in np.argsort(last.mean(0))[::-1][:8]]
+    print(f"the final token attends most (mean over heads) to: {' '.join(repr(t) for t in top)}")
+    return 0
+
+
+def cmd_info(args: argparse.Namespace) -> int:
+    mh.show_config()
+    return 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from manyheads import _bench
+
+    if _bench._torch() is None:
+        print("note: torch is not installed, so PyTorch is skipped "
+              "(pip install 'manyheads[bench]' to include it)")
+    res = _bench.run(quick=args.quick, out_dir=args.out, repeats=args.repeats,
+                     progress=not args.no_progress)
+    print(res["markdown"])
+    if args.out:
+        print(f"wrote {args.out}/results.md, results.json"
+              + (", attention_time.png" if res.get("plot") else
+                 " (no plot: pip install matplotlib)"))
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m manyheads", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command")
+    sub.add_parser("demo", help="run the demo (the default)")
+    sub.add_parser("info", help="show the kernel path, OpenMP and thread count")
+    b = sub.add_parser("bench", help="benchmark against PyTorch SDPA, the oracle and SGEMM")
+    b.add_argument("--quick", action="store_true", help="fewer sizes")
+    b.add_argument("--repeats", type=int, default=7, help="timed calls per case (median)")
+    b.add_argument("--out", default="bench-results", help="folder for table, JSON and plot")
+    b.add_argument("--no-progress", action="store_true")
+    args = parser.parse_args(argv)
+    handlers = {None: cmd_demo, "demo": cmd_demo, "info": cmd_info, "bench": cmd_bench}
+    return handlers[args.command](args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

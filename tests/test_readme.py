@@ -1,0 +1,15 @@
+"""The README's usage example runs as written."""
+import re
+from pathlib import Path
+
+import pytest
+
+README = Path(__file__).resolve().parent.parent / "README.md"
+
+
+@pytest.mark.skipif(not README.exists(), reason="README not shipped with this copy of the tests")
+def test_readme_python_examples_run():
+    blocks = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
+    assert blocks, "README has no python example"
+    for code in blocks:
+        exec(compile(code, str(README), "exec"), {})
