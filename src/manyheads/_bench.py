@@ -163,6 +163,7 @@ def module_case(threads: int, repeats: int, with_torch: bool, B: int = 8, T: int
 
         fns["torch"] = torch_module
     res = {k: 1e3 * v for k, v in compare(fns, rounds=max(3, repeats // 2), per_round=2).items()}
+    heads = [(h.W_query, h.W_key, h.W_value) for h in stacked.heads]
     res["oracle"] = 1e3 * median_time(
         lambda: oracle.stacked_multi_head_attention(x, heads, fused.W_out, fused.b_out), 3,
         warmup=1)
