@@ -62,23 +62,35 @@ MH_INLINE void FN(score_tile)(const T *qt, int64_t E, const T *k, int64_t k_row,
         for (int c = 0; c < NV; ++c) V_STORE(st + r * BQ + c * VW, acc[r][c]);
 }
 
-/* st[j][i] = (scale*q_i) . k_j for j < nk keys and the first nvq query vectors. */
+/* Keys of the tile that rows [0, rows_end) need: row i sees keys j < kvis0 + i. */
+static inline int64_t FN(keys_needed)(int64_t kvis0, int64_t rows_end, int64_t nk)
+{
+    int64_t n = kvis0 + rows_end - 1;
+    return n < 0 ? 0 : (n > nk ? nk : n);
+}
+
+/* st[j][i] = (scale*q_i) . k_j for j < nk keys and the first nvq query vectors.
+   On a tile that crosses the causal diagonal, each group of query vectors only
+   computes the keys some of its rows can see (kvis0: see keys_needed); the
+   entries it skips are masked to -inf afterwards like their neighbours. */
 static void FN(scores)(const T *qt, int64_t E, const T *k, int64_t k_row, int64_t nk,
-                       int64_t nvq, T *st)
+                       int64_t nvq, int64_t kvis0, T *st)
 {
     int64_t c = 0;
     for (; c + NVQ <= nvq; c += NVQ) {
+        const int64_t nkc = FN(keys_needed)(kvis0, (c + NVQ) * VW, nk);
         int64_t j = 0;
-        for (; j + JR <= nk; j += JR)
+        for (; j + JR <= nkc; j += JR)
             FN(score_tile)(qt + c * VW, E, k + j * k_row, k_row, st + j * BQ + c * VW, JR, NVQ);
-        for (; j < nk; ++j)
+        for (; j < nkc; ++j)
             FN(score_tile)(qt + c * VW, E, k + j * k_row, k_row, st + j * BQ + c * VW, 1, NVQ);
     }
     for (; c < nvq; ++c) {
+        const int64_t nkc = FN(keys_needed)(kvis0, (c + 1) * VW, nk);
         int64_t j = 0;
-        for (; j + JR <= nk; j += JR)
+        for (; j + JR <= nkc; j += JR)
             FN(score_tile)(qt + c * VW, E, k + j * k_row, k_row, st + j * BQ + c * VW, JR, 1);
-        for (; j < nk; ++j)
+        for (; j < nkc; ++j)
             FN(score_tile)(qt + c * VW, E, k + j * k_row, k_row, st + j * BQ + c * VW, 1, 1);
     }
 }
@@ -104,29 +116,37 @@ MH_INLINE void FN(output_tile)(T *acc, int64_t evp, const T *alpha, const T *pt,
         for (int c = 0; c < NV; ++c) V_STORE(acc + r * evp + c * VW, o[r][c]);
 }
 
-/* acc[i][0 .. nvv*VW) = alpha[i]*acc[i] + P^T[:, i] . v  for i < nq. */
+/* acc[i][0 .. nvv*VW) = alpha[i]*acc[i] + P^T[:, i] . v  for i < nq; each row
+   tile stops at the last key its rows can see (kvis0, as in scores). */
 static void FN(mix_values)(T *acc, int64_t evp, const T *alpha, const T *st, int64_t nk,
-                           int64_t nq, const T *v, int64_t v_row, int64_t nvv)
+                           int64_t nq, const T *v, int64_t v_row, int64_t nvv, int64_t kvis0)
 {
     int64_t c = 0;
     for (; c + NVO <= nvv; c += NVO) {
         int64_t i = 0;
         for (; i + IR <= nq; i += IR)
-            FN(output_tile)(acc + i * evp + c * VW, evp, alpha + i, st + i, nk, v + c * VW, v_row,
-                            IR, NVO);
+            FN(output_tile)(acc + i * evp + c * VW, evp, alpha + i, st + i,
+                            FN(keys_needed)(kvis0, i + IR, nk), v + c * VW, v_row, IR, NVO);
         for (; i < nq; ++i)
-            FN(output_tile)(acc + i * evp + c * VW, evp, alpha + i, st + i, nk, v + c * VW, v_row,
-                            1, NVO);
+            FN(output_tile)(acc + i * evp + c * VW, evp, alpha + i, st + i,
+                            FN(keys_needed)(kvis0, i + 1, nk), v + c * VW, v_row, 1, NVO);
     }
     for (; c < nvv; ++c) {
         int64_t i = 0;
         for (; i + IR <= nq; i += IR)
-            FN(output_tile)(acc + i * evp + c * VW, evp, alpha + i, st + i, nk, v + c * VW, v_row,
-                            IR, 1);
+            FN(output_tile)(acc + i * evp + c * VW, evp, alpha + i, st + i,
+                            FN(keys_needed)(kvis0, i + IR, nk), v + c * VW, v_row, IR, 1);
         for (; i < nq; ++i)
-            FN(output_tile)(acc + i * evp + c * VW, evp, alpha + i, st + i, nk, v + c * VW, v_row,
-                            1, 1);
+            FN(output_tile)(acc + i * evp + c * VW, evp, alpha + i, st + i,
+                            FN(keys_needed)(kvis0, i + 1, nk), v + c * VW, v_row, 1, 1);
     }
+}
+
+/* Keys of block [k0, k0+nk) visible to the item's first row (row i sees
+   kvis0 + i of them); nk + BQ, i.e. "all", without a causal mask. */
+static inline int64_t FN(causal_kvis0)(const mh_attn_args *a, int64_t q0, int64_t k0, int64_t nk)
+{
+    return a->causal ? q0 + a->causal_offset - k0 + 1 : nk + BQ;
 }
 
 /* Scaled scores of keys [k0, k0+nk) for the work item's rows, with the causal
@@ -139,13 +159,14 @@ static void FN(masked_scores)(const mh_attn_args *a, int64_t bh, int64_t q0, int
     const int64_t E = a->head_dim;
     for (int64_t j = 0; j < nk; ++j)
         memcpy(kpack + j * E, k + (k0 + j) * a->k_row, (size_t)E * sizeof(T));
-    FN(scores)(qt, E, kpack, E, nk, nvq, st);
+    FN(scores)(qt, E, kpack, E, nk, nvq, FN(causal_kvis0)(a, q0, k0, nk), st);
     /* only blocks that cross the diagonal need element masking */
     if (a->causal && k0 + nk - 1 > q0 + a->causal_offset) {
+        const int64_t lanes = nvq * VW; /* padding lanes too: keep every entry defined */
         for (int64_t j = 0; j < nk; ++j) {
-            /* rows i < first_visible_row cannot see key k0 + j */
+            /* rows i < first cannot see key k0 + j */
             int64_t first = k0 + j - a->causal_offset - q0;
-            if (first > nq) first = nq;
+            if (first > lanes) first = lanes;
             for (int64_t i = 0; i < first; ++i) st[j * BQ + i] = neg_inf;
         }
     }
@@ -247,7 +268,8 @@ void FN(mh_fwd_item)(const mh_attn_args *a, int64_t bh, int64_t q0, void *scratc
 
         for (int64_t j = 0; j < nk; ++j)
             memcpy(vpack + j * evp, v + (k0 + j) * a->v_row, (size_t)Ev * sizeof(T));
-        FN(mix_values)(acc, evp, alpha, st, nk, nq, vpack, evp, nvv);
+        FN(mix_values)(acc, evp, alpha, st, nk, nq, vpack, evp, nvv,
+                       FN(causal_kvis0)(a, q0, k0, nk));
     }
 
     /* normalise once; rows that saw no key have row_sum == 0 and give zeros */

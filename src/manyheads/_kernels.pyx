@@ -115,6 +115,28 @@ def omp_max_threads():
     return mh_omp_max_threads()
 
 
+def batch_offsets(cnp.ndarray view, int n_batch):
+    """Element offsets of every index over the first ``n_batch`` axes (C order), as int64."""
+    cdef Py_ssize_t total = 1, i, rem
+    cdef int d
+    cdef int64_t off
+    cdef Py_ssize_t itemsize = view.itemsize
+    cdef cnp.npy_intp *shape = cnp.PyArray_DIMS(view)
+    cdef cnp.npy_intp *strides = cnp.PyArray_STRIDES(view)
+    for d in range(n_batch):
+        total *= shape[d]
+    out = np.empty(total, dtype=np.int64)
+    cdef int64_t[::1] o = out
+    for i in range(total):
+        rem = i
+        off = 0
+        for d in range(n_batch - 1, -1, -1):
+            off += (rem % shape[d]) * (strides[d] // itemsize)
+            rem //= shape[d]
+        o[i] = off
+    return out
+
+
 cdef inline const void *_ptr(object arr):
     return <const void *>cnp.PyArray_DATA(<cnp.ndarray>arr)
 

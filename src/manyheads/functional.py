@@ -57,14 +57,11 @@ def _kernel_ready(arr: np.ndarray, contiguous_rows: bool = True) -> np.ndarray:
 
 def _offsets(view: np.ndarray, n_batch_dims: int) -> np.ndarray:
     """Element offsets of every index over the leading ``n_batch_dims`` axes, flattened."""
-    item = view.itemsize
-    shape = view.shape[:n_batch_dims]
-    off = np.zeros(shape, dtype=np.int64)
-    for axis, (n, stride) in enumerate(zip(shape, view.strides[:n_batch_dims])):
-        idx_shape = [1] * n_batch_dims
-        idx_shape[axis] = n
-        off = off + (np.arange(n, dtype=np.int64) * (stride // item)).reshape(idx_shape)
-    return np.ascontiguousarray(off.reshape(-1))
+    return _kernels.batch_offsets(view, n_batch_dims)
+
+
+def _broadcast(arr: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+    return arr if arr.shape == shape else np.broadcast_to(arr, shape)
 
 
 def _row_stride(view: np.ndarray, axis: int) -> int:
@@ -263,7 +260,7 @@ def _attention(
         group = hq // hkv
         outer = _broadcast_shapes("query, key and value", q.shape[:-3], k.shape[:-3], v.shape[:-3])
         batch = outer + (hq,)
-        qv = np.broadcast_to(q, batch + (L, E))
+        qv = _broadcast(q, batch + (L, E))
         # kv head h // group serves query head h: view (.., Hkv, group, S, E)
         kv_shape = outer + (hkv, group)
         kv = np.broadcast_to(k[..., :, None, :, :], kv_shape + (S, E))
@@ -271,14 +268,14 @@ def _attention(
         n_kv_batch = len(kv_shape)
     else:
         batch = _broadcast_shapes("query, key and value", q.shape[:-2], k.shape[:-2], v.shape[:-2])
-        qv = np.broadcast_to(q, batch + (L, E))
-        kv = np.broadcast_to(k, batch + (S, E))
-        vv = np.broadcast_to(v, batch + (S, Ev))
+        qv = _broadcast(q, batch + (L, E))
+        kv = _broadcast(k, batch + (S, E))
+        vv = _broadcast(v, batch + (S, Ev))
         n_kv_batch = len(batch)
     nb = len(batch)
     if mask is not None:
         try:
-            mv = np.broadcast_to(mask, batch + (L, S))
+            mv = _broadcast(mask, batch + (L, S))
         except ValueError:
             raise ValueError(
                 f"attn_mask of shape {mask.shape} does not broadcast to {batch + (L, S)}"

@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from . import _config
+from . import _blas, _config
 from .functional import SUPPORTED_DTYPES, _attention, _check_dropout, _seed_value
 
 __all__ = ["CausalAttention", "StackedMultiHeadAttention", "MultiHeadAttention"]
@@ -138,8 +138,9 @@ class CausalAttention(_Module):
                 f"context_length={self.context_length}, dropout={self.dropout}, "
                 f"qkv_bias={self.qkv_bias}, dtype={self.dtype.name})")
 
-    def _project(self, x: np.ndarray, W: np.ndarray, b: np.ndarray | None) -> np.ndarray:
-        y = x @ W.astype(self.dtype, copy=False)
+    def _project(self, x: np.ndarray, W: np.ndarray, b: np.ndarray | None, nt: int,
+                 split: bool) -> np.ndarray:
+        y = _blas.matmul(x, W.astype(self.dtype, copy=False), nt, split)
         if b is not None:
             y += b.astype(self.dtype, copy=False)
         return y
@@ -160,9 +161,10 @@ class CausalAttention(_Module):
         xb, single = self._prepare_input(x)
         p, seed = self._dropout_for_call(training)
         nt = _config.resolve_num_threads(num_threads)
-        q = self._project(xb, self.W_query, self.b_query)
-        k = self._project(xb, self.W_key, self.b_key)
-        v = self._project(xb, self.W_value, self.b_value)
+        with _blas.single_threaded_blas() as split:
+            q = self._project(xb, self.W_query, self.b_query, nt, split)
+            k = self._project(xb, self.W_key, self.b_key, nt, split)
+            v = self._project(xb, self.W_value, self.b_value, nt, split)
         res = _attention(q, k, v, causal_offset=0, scale=1.0 / np.sqrt(self.d_out),
                          dropout_p=p, seed=seed, return_weights=return_weights,
                          num_threads=nt)
@@ -242,17 +244,19 @@ class StackedMultiHeadAttention(_Module):
         xb, single = self._prepare_input(x)
         if not isinstance(training, (bool, np.bool_)):
             raise TypeError(f"training must be a bool, got {type(training).__name__}")
-        results = [h(xb, return_weights=return_weights, training=training,
-                     num_threads=num_threads) for h in self.heads]
-        if return_weights:
-            Z = np.concatenate([r[0] for r in results], axis=-1)
-            w = np.stack([r[1] for r in results], axis=1)
-        else:
-            Z = np.concatenate(results, axis=-1)
-        if self.W_out is not None:
-            Z = Z @ self.W_out
-            if self.b_out is not None:
-                Z += self.b_out
+        nt = _config.resolve_num_threads(num_threads)
+        with _blas.single_threaded_blas() as split:
+            results = [h(xb, return_weights=return_weights, training=training, num_threads=nt)
+                       for h in self.heads]
+            if return_weights:
+                Z = np.concatenate([r[0] for r in results], axis=-1)
+                w = np.stack([r[1] for r in results], axis=1)
+            else:
+                Z = np.concatenate(results, axis=-1)
+            if self.W_out is not None:
+                Z = _blas.matmul(Z, self.W_out, nt, split)
+                if self.b_out is not None:
+                    Z += self.b_out
         if single:
             Z = Z[0]
             if return_weights:
@@ -424,9 +428,19 @@ class MultiHeadAttention(_Module):
         xb, single = self._prepare_input(x)
         p, seed = self._dropout_for_call(training)
         nt = _config.resolve_num_threads(num_threads)
+        with _blas.single_threaded_blas() as split:
+            y, w = self._forward(xb, p, seed, return_weights, nt, split)
+        if single:
+            y = y[0]
+            w = None if w is None else w[0]
+        return (y, w) if return_weights else y
+
+    def _forward(self, xb: np.ndarray, p: float, seed: int, return_weights: bool, nt: int,
+                 split: bool) -> tuple[np.ndarray, np.ndarray | None]:
         B, T, _ = xb.shape
         H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
-        qkv = xb @ self.W_qkv  # (B, T, d_out + 2 kv_dim), one GEMM for every head
+        # one GEMM projects every head: (B, T, d_out + 2 kv_dim)
+        qkv = _blas.matmul(xb, self.W_qkv, nt, split)
         if self.b_qkv is not None:
             qkv += self.b_qkv
         # strided (B, heads, T, D) views of the packed projection: no copies
@@ -437,14 +451,9 @@ class MultiHeadAttention(_Module):
         res = _attention(q, k, v, causal_offset=0, scale=1.0 / np.sqrt(D), dropout_p=p,
                          seed=seed, enable_gqa=Hkv != H, return_weights=return_weights,
                          num_threads=nt, out=merged.reshape(B, T, H, D).transpose(0, 2, 1, 3))
-        y = merged @ self.W_out
+        y = _blas.matmul(merged, self.W_out, nt, split)
         y += self.b_out
-        if single:
-            y = y[0]
-        if return_weights:
-            w = res[1]
-            return (y, w[0] if single else w)
-        return y
+        return y, (res[1] if return_weights else None)
 
     forward = __call__
 
