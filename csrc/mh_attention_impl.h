@@ -33,7 +33,6 @@
 #ifndef MH_IMPL_COMMON_DONE
 #define MH_IMPL_COMMON_DONE
 #include <math.h>
-#include <string.h>
 #include "mh_kernels.h"
 #if defined(_MSC_VER)
 #define MH_INLINE static __forceinline
@@ -42,6 +41,18 @@
 #endif
 #define MH_ALIGN_UP(n, a) (((n) + (a) - 1) / (a) * (a))
 #endif
+
+/* dst[j][0..n) = src[j][0..n) for `rows` rows; an inline loop the compiler
+   vectorises (short rows make a memcpy call per row cost more than the copy). */
+static inline void FN(copy_rows)(T *dst, int64_t dst_row, const T *src, int64_t src_row,
+                                 int64_t rows, int64_t n)
+{
+    for (int64_t j = 0; j < rows; ++j) {
+        T *restrict d = dst + j * dst_row;
+        const T *restrict s = src + j * src_row;
+        for (int64_t c = 0; c < n; ++c) d[c] = s[c];
+    }
+}
 
 /* ---- score tile: st[r][0 .. nvq*VW) = k_r . qt for R keys ---------------- */
 MH_INLINE void FN(score_tile)(const T *qt, int64_t E, const T *k, int64_t k_row,
@@ -157,8 +168,7 @@ static void FN(masked_scores)(const mh_attn_args *a, int64_t bh, int64_t q0, int
 {
     const T neg_inf = (T)(-INFINITY);
     const int64_t E = a->head_dim;
-    for (int64_t j = 0; j < nk; ++j)
-        memcpy(kpack + j * E, k + (k0 + j) * a->k_row, (size_t)E * sizeof(T));
+    FN(copy_rows)(kpack, E, k + k0 * a->k_row, a->k_row, nk, E);
     FN(scores)(qt, E, kpack, E, nk, nvq, FN(causal_kvis0)(a, q0, k0, nk), st);
     /* only blocks that cross the diagonal need element masking */
     if (a->causal && k0 + nk - 1 > q0 + a->causal_offset) {
@@ -197,6 +207,19 @@ static void FN(apply_dropout)(const mh_attn_args *a, int64_t bh, int64_t q0, int
             double u = (double)(bits >> 40) * (1.0 / 16777216.0);
             st[j * BQ + i] = u >= p ? st[j * BQ + i] * keep_scale : (T)0;
         }
+}
+
+/* y[i] = exp(x[i]) with this path's vector exp (exposed for accuracy tests). */
+void FN(mh_exp_array)(const T *x, T *y, int64_t n)
+{
+    int64_t i = 0;
+    for (; i + VW <= n; i += VW) V_STORE(y + i, V_EXP(V_LOAD(x + i)));
+    if (i < n) {
+        T buf[VW];
+        for (int64_t l = 0; l < VW; ++l) buf[l] = i + l < n ? x[i + l] : (T)0;
+        V_STORE(buf, V_EXP(V_LOAD(buf)));
+        for (int64_t l = 0; i + l < n; ++l) y[i + l] = buf[l];
+    }
 }
 
 void FN(mh_fwd_item)(const mh_attn_args *a, int64_t bh, int64_t q0, void *scratch)
@@ -266,8 +289,7 @@ void FN(mh_fwd_item)(const mh_attn_args *a, int64_t bh, int64_t q0, void *scratc
         }
         if (a->dropout_p > 0) FN(apply_dropout)(a, bh, q0, nq, k0, nk, st);
 
-        for (int64_t j = 0; j < nk; ++j)
-            memcpy(vpack + j * evp, v + (k0 + j) * a->v_row, (size_t)Ev * sizeof(T));
+        FN(copy_rows)(vpack, evp, v + k0 * a->v_row, a->v_row, nk, Ev);
         FN(mix_values)(acc, evp, alpha, st, nk, nq, vpack, evp, nvv,
                        FN(causal_kvis0)(a, q0, k0, nk));
     }

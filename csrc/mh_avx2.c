@@ -42,12 +42,11 @@ static inline __m256 mh_exp_f32_avx2(__m256 x)
     __m256 n = _mm256_sub_ps(t, magic);
     __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), xc);
     r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-    __m256 p = _mm256_set1_ps(1.0f / 5040);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 720));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+    __m256 p = _mm256_set1_ps(1.3836845755577087e-3f); /* degree-6 minimax for e^r */
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.374815806746483e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.166822507977486e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666419804096222e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.9999991059303284e-1f));
     p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
     p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
     __m256i e = _mm256_slli_epi32(
@@ -105,7 +104,8 @@ static inline __m256d mh_exp_f64_avx2(__m256d x)
 
 #include "mh_attention_impl.h"
 
-const mh_kernel_table mh_table_avx2 = {"avx2", mh_fwd_item_f32_avx2, mh_fwd_item_f64_avx2};
+const mh_kernel_table mh_table_avx2 = {"avx2", mh_fwd_item_f32_avx2, mh_fwd_item_f64_avx2,
+                                     mh_exp_array_f32_avx2, mh_exp_array_f64_avx2};
 int mh_avx2_compiled = 1;
 #else
 int mh_avx2_compiled = 0;

@@ -32,27 +32,25 @@
     _mm512_mask_blend_ps(_mm512_cmp_ps_mask((x), _mm512_set1_ps(-INFINITY), _CMP_EQ_OQ), (x), \
                          _mm512_setzero_ps())
 
-/* exp(x) to about 2 ulp: x = n ln2 + r, |r| <= ln2/2, degree-7 polynomial for
-   e^r, scaled by 2^n.  Below ln(FLT_MIN) the result is 0 (so exp(-inf) = 0);
-   NaN passes through (max keeps its second operand when one is NaN). */
+/* exp(x) to about 2 ulp: x = n ln2 + r, |r| <= ln2/2, a degree-6 minimax
+   polynomial for e^r, scaled by 2^n with scalef.  Inputs are clamped at -110,
+   where 2^n underflows to exactly 0, so exp(-inf) = 0; NaN passes through
+   (max returns its second operand when one operand is NaN). */
 static inline __m512 mh_exp_f32_avx512(__m512 x)
 {
-    const __m512 lo = _mm512_set1_ps(-87.33654f);
-    __m512 xc = _mm512_max_ps(lo, x);
+    __m512 xc = _mm512_max_ps(_mm512_set1_ps(-110.0f), x);
     __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(xc, _mm512_set1_ps(1.44269504088896341f)),
                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), xc);
     r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.0f / 5040);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 720));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    __m512 p = _mm512_set1_ps(1.3836845755577087e-3f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.374815806746483e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.166822507977486e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666419804096222e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.9999991059303284e-1f));
     p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
     p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-    __m512 y = _mm512_scalef_ps(p, n);
-    return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ), y, _mm512_setzero_ps());
+    return _mm512_scalef_ps(p, n);
 }
 
 #include "mh_attention_impl.h"
@@ -102,8 +100,8 @@ static inline __m512d mh_exp_f64_avx512(__m512d x)
 
 #include "mh_attention_impl.h"
 
-const mh_kernel_table mh_table_avx512 = {"avx512", mh_fwd_item_f32_avx512,
-                                         mh_fwd_item_f64_avx512};
+const mh_kernel_table mh_table_avx512 = {"avx512", mh_fwd_item_f32_avx512, mh_fwd_item_f64_avx512,
+                                     mh_exp_array_f32_avx512, mh_exp_array_f64_avx512};
 int mh_avx512_compiled = 1;
 #else
 int mh_avx512_compiled = 0;

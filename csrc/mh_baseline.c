@@ -95,5 +95,5 @@ static inline void v4d_store(double *p, mh_v4d v) { for (int l = 0; l < 4; ++l) 
 #define V_NEG_INF_TO_ZERO(x) v4d_ninf0(x)
 #include "mh_attention_impl.h"
 
-const mh_kernel_table mh_table_baseline = {"baseline", mh_fwd_item_f32_baseline,
-                                           mh_fwd_item_f64_baseline};
+const mh_kernel_table mh_table_baseline = {"baseline", mh_fwd_item_f32_baseline, mh_fwd_item_f64_baseline,
+                                     mh_exp_array_f32_baseline, mh_exp_array_f64_baseline};

@@ -78,6 +78,8 @@ typedef struct mh_kernel_table {
     const char *name;
     mh_fwd_item_fn fwd_f32;
     mh_fwd_item_fn fwd_f64;
+    void (*exp_f32)(const float *x, float *y, int64_t n);   /* the path's vector exp */
+    void (*exp_f64)(const double *x, double *y, int64_t n);
 } mh_kernel_table;
 
 /* Bytes of per-thread scratch needed by one work item. */

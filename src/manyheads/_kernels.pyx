@@ -58,6 +58,8 @@ cdef extern from "mh_kernels.h" nogil:
         const char *name
         mh_fwd_item_fn fwd_f32
         mh_fwd_item_fn fwd_f64
+        void (*exp_f32)(const float *x, float *y, int64_t n) noexcept nogil
+        void (*exp_f64)(const double *x, double *y, int64_t n) noexcept nogil
 
     size_t mh_scratch_bytes(int64_t head_dim, int64_t v_dim, size_t elem_size)
     int mh_cpu_supports(int isa)
@@ -97,6 +99,19 @@ def set_isa(str name):
     if t == NULL:
         raise RuntimeError(f"kernel path {name!r} is not compiled into this build")
     _table = t
+
+
+def vector_exp(x):
+    """exp of a contiguous float32/float64 array through the current path's vector exp."""
+    x = np.ascontiguousarray(x)
+    y = np.empty_like(x)
+    if x.dtype == np.float32:
+        _table.exp_f32(<const float *>cnp.PyArray_DATA(x), <float *>cnp.PyArray_DATA(y), x.size)
+    elif x.dtype == np.float64:
+        _table.exp_f64(<const double *>cnp.PyArray_DATA(x), <double *>cnp.PyArray_DATA(y), x.size)
+    else:
+        raise TypeError("x must be float32 or float64")
+    return y
 
 
 def current_isa():

@@ -48,8 +48,10 @@ def _kernel_ready(arr: np.ndarray, contiguous_rows: bool = True) -> np.ndarray:
     (except for masks) a contiguous last axis; transposed or sliced views
     usually qualify.  Call this before broadcasting, so a copy stays small.
     """
+    if arr.flags.c_contiguous and arr.flags.aligned:
+        return arr
     item = arr.itemsize
-    ok = arr.flags.aligned and all(s % item == 0 for s in arr.strides)
+    ok = arr.flags.aligned and not any(s % item for s in arr.strides)
     if ok and contiguous_rows and arr.ndim and arr.shape[-1] > 1 and arr.strides[-1] != item:
         ok = False
     return arr if ok else np.ascontiguousarray(arr)
@@ -69,6 +71,8 @@ def _row_stride(view: np.ndarray, axis: int) -> int:
 
 
 def _broadcast_shapes(names: str, *shapes: tuple[int, ...]) -> tuple[int, ...]:
+    if all(s == shapes[0] for s in shapes[1:]):
+        return tuple(shapes[0])
     try:
         return tuple(np.broadcast_shapes(*shapes))
     except ValueError:
@@ -284,7 +288,7 @@ def _attention(
     if out is None:
         out = np.empty(batch + (L, Ev), dtype=q.dtype)
     weights = np.zeros(batch + (L, S), dtype=q.dtype) if return_weights else None
-    n_pairs = int(np.prod(batch, dtype=np.int64))
+    n_pairs = math.prod(batch)
     if n_pairs == 0 or L == 0:
         return (out, weights) if return_weights else out
     if S == 0 or Ev == 0:
