@@ -89,8 +89,8 @@ class BuildExt(build_ext):
                 isa_flags["mh_avx2.c"] = ["/arch:AVX2"]
                 isa_flags["mh_avx512.c"] = ["/arch:AVX512"]
             else:
-                isa_flags["mh_avx2.c"] = ["-mavx2", "-mfma"]
-                isa_flags["mh_avx512.c"] = ["-mavx512f", "-mavx2", "-mfma"]
+                isa_flags["mh_avx2.c"] = ["-mavx2", "-mfma", "-mf16c"]
+                isa_flags["mh_avx512.c"] = ["-mavx512f", "-mavx2", "-mfma", "-mf16c"]
         omp = self._openmp_flags()
         self.manyheads_openmp = omp is not None
         for ext in self.extensions:

@@ -12,14 +12,18 @@
  *   V_ADD V_SUB V_MUL V_MAX(a, b) V_FMA(a, b, c) = a*b+c
  *   V_EXP(v)     exp per lane; exp(-inf) = 0; NaN stays NaN
  *   V_NEG_INF_TO_ZERO(v)  lanes equal to -inf become 0
+ *   V_HSUM(v)    sum of the lanes
+ *   V_LOAD_HALF(p)  optional: VW float16 values widened to V (float paths)
  *
  * Scratch of one work item (all 64-byte aligned, T elements):
  *   qt      [E][BQ]      query block, transposed and multiplied by `scale`
+ *                        (dot mode, <= MH_DOT_ROWS rows: [rows][EP] row-major)
  *   st      [BK][BQ]     one tile of scores, transposed (key-major), then
  *                        overwritten by its unnormalised probabilities
  *   acc     [BQ][EVP]    output accumulator, EVP = Ev rounded up to 16
- *   kpack   [BK][E]      key block copied contiguous (keys of a fused QKV
- *                        buffer lie a whole row of Q, K and V apart)
+ *   kpack   [BK][EP]     key block copied contiguous (keys of a fused QKV
+ *                        buffer lie a whole row of Q, K and V apart); rows
+ *                        of E, or of EP = E rounded up to 16 in dot mode
  *   vpack   [BK][EVP]    value block copied contiguous, zero padded
  *   row_max, row_sum, alpha   [BQ]
  *
@@ -153,6 +157,52 @@ static void FN(mix_values)(T *acc, int64_t evp, const T *alpha, const T *st, int
     }
 }
 
+/* y[i] = exp(x[i]) with this path's vector exp (exposed for accuracy tests). */
+void FN(mh_exp_array)(const T *x, T *y, int64_t n)
+{
+    int64_t i = 0;
+    for (; i + VW <= n; i += VW) V_STORE(y + i, V_EXP(V_LOAD(x + i)));
+    if (i < n) {
+        T buf[VW];
+        for (int64_t l = 0; l < VW; ++l) buf[l] = i + l < n ? x[i + l] : (T)0;
+        V_STORE(buf, V_EXP(V_LOAD(buf)));
+        for (int64_t l = 0; i + l < n; ++l) y[i + l] = buf[l];
+    }
+}
+
+/* dst[0..n) = float16 src[0..n) widened (vector conversion where the path has one). */
+static inline void FN(half_row)(T *dst, const uint16_t *src, int64_t n)
+{
+    int64_t c = 0;
+#ifdef V_LOAD_HALF
+    for (; c + VW <= n; c += VW) V_STORE(dst + c, V_LOAD_HALF(src + c));
+#endif
+    for (; c < n; ++c) dst[c] = (T)mh_half_to_float(src[c]);
+}
+
+/* Scores for few query rows (decode): st[j][i] = qp_i . k_j with rows of both
+   zero-padded to ep (a whole number of vectors); lanes [nq, lanes) get 0. */
+static void FN(scores_dot)(const T *qp, int64_t ep, const T *kp, int64_t nk, int64_t nq,
+                           int64_t lanes, T *st)
+{
+    const int64_t nv = ep / VW;
+    for (int64_t j = 0; j < nk; ++j) {
+        const T *kr = kp + j * ep;
+        for (int64_t i = 0; i < nq; ++i) {
+            const T *qr = qp + i * ep;
+            V acc0 = V_ZERO(), acc1 = V_ZERO();
+            int64_t c = 0;
+            for (; c + 2 <= nv; c += 2) {
+                acc0 = V_FMA(V_LOAD(qr + c * VW), V_LOAD(kr + c * VW), acc0);
+                acc1 = V_FMA(V_LOAD(qr + (c + 1) * VW), V_LOAD(kr + (c + 1) * VW), acc1);
+            }
+            if (c < nv) acc0 = V_FMA(V_LOAD(qr + c * VW), V_LOAD(kr + c * VW), acc0);
+            st[j * BQ + i] = V_HSUM(V_ADD(acc0, acc1));
+        }
+        for (int64_t i = nq; i < lanes; ++i) st[j * BQ + i] = 0;
+    }
+}
+
 /* Keys of block [k0, k0+nk) visible to the item's first row (row i sees
    kvis0 + i of them); nk + BQ, i.e. "all", without a causal mask. */
 static inline int64_t FN(causal_kvis0)(const mh_attn_args *a, int64_t q0, int64_t k0, int64_t nk)
@@ -160,24 +210,75 @@ static inline int64_t FN(causal_kvis0)(const mh_attn_args *a, int64_t q0, int64_
     return a->causal ? q0 + a->causal_offset - k0 + 1 : nk + BQ;
 }
 
+/* Pointers into one work item's scratch (layout in the header comment). */
+typedef struct {
+    T *qt, *st, *acc, *kpack, *vpack, *row_max, *row_sum, *alpha;
+    int64_t evp, ep;  /* padded value width; padded key row (dot mode) */
+    int dot;          /* few query rows: dot-product scores instead of the tile */
+} FN(work);
+
+static FN(work) FN(carve)(const mh_attn_args *a, int64_t nq, void *scratch)
+{
+    FN(work) w;
+    const int64_t E = a->head_dim;
+    w.evp = MH_ALIGN_UP(a->v_dim, 16);
+    w.ep = MH_ALIGN_UP(E, 16);
+    w.dot = nq <= MH_DOT_ROWS;
+    w.qt = (T *)scratch;
+    w.st = w.qt + MH_ALIGN_UP(E * BQ, 16);
+    w.acc = w.st + BK * BQ;
+    w.kpack = w.acc + BQ * w.evp;
+    w.vpack = w.kpack + BK * w.ep;
+    w.row_max = w.vpack + BK * w.evp;
+    w.row_sum = w.row_max + BQ;
+    w.alpha = w.row_sum + BQ;
+    return w;
+}
+
+/* dst[j][0..n) = K or V rows [row0, row0 + rows) of this pair, converted from
+   float16 when the cache stores halves; columns [n, dst_row) are left alone. */
+static void FN(load_rows)(const mh_attn_args *a, const void *base, int64_t off, int64_t row_stride,
+                          int64_t row0, int64_t rows, int64_t n, T *dst, int64_t dst_row)
+{
+    if (a->kv_half) {
+        const uint16_t *src = (const uint16_t *)base + off + row0 * row_stride;
+        for (int64_t j = 0; j < rows; ++j) FN(half_row)(dst + j * dst_row, src + j * row_stride, n);
+    } else {
+        FN(copy_rows)(dst, dst_row, (const T *)base + off + row0 * row_stride, row_stride, rows, n);
+    }
+}
+
 /* Scaled scores of keys [k0, k0+nk) for the work item's rows, with the causal
-   triangle and the user mask applied (masked entries become -inf). */
+   triangle, the sliding window and the user mask applied (masked entries
+   become -inf).  Loads the key block into kpack first. */
 static void FN(masked_scores)(const mh_attn_args *a, int64_t bh, int64_t q0, int64_t nq,
-                              int64_t nvq, int64_t k0, int64_t nk, const T *qt, const T *k,
-                              T *kpack, T *st)
+                              int64_t nvq, int64_t k0, int64_t nk, FN(work) *w)
 {
     const T neg_inf = (T)(-INFINITY);
-    const int64_t E = a->head_dim;
-    FN(copy_rows)(kpack, E, k + k0 * a->k_row, a->k_row, nk, E);
-    FN(scores)(qt, E, kpack, E, nk, nvq, FN(causal_kvis0)(a, q0, k0, nk), st);
+    const int64_t E = a->head_dim, lanes = nvq * VW;
+    T *st = w->st;
+    if (w->dot) {
+        FN(load_rows)(a, a->k, a->k_off[bh], a->k_row, k0, nk, E, w->kpack, w->ep);
+        FN(scores_dot)(w->qt, w->ep, w->kpack, nk, nq, lanes, st);
+    } else {
+        FN(load_rows)(a, a->k, a->k_off[bh], a->k_row, k0, nk, E, w->kpack, E);
+        FN(scores)(w->qt, E, w->kpack, E, nk, nvq, FN(causal_kvis0)(a, q0, k0, nk), st);
+    }
     /* only blocks that cross the diagonal need element masking */
     if (a->causal && k0 + nk - 1 > q0 + a->causal_offset) {
-        const int64_t lanes = nvq * VW; /* padding lanes too: keep every entry defined */
         for (int64_t j = 0; j < nk; ++j) {
-            /* rows i < first cannot see key k0 + j */
+            /* rows i < first cannot see key k0 + j (padding lanes too: keep all defined) */
             int64_t first = k0 + j - a->causal_offset - q0;
             if (first > lanes) first = lanes;
             for (int64_t i = 0; i < first; ++i) st[j * BQ + i] = neg_inf;
+        }
+    }
+    /* sliding window: row i sees keys j > i + offset - window */
+    if (a->window > 0 && k0 <= q0 + nq - 1 + a->causal_offset - a->window) {
+        for (int64_t j = 0; j < nk; ++j) {
+            int64_t last = k0 + j + a->window - a->causal_offset - q0; /* rows i >= last lose it */
+            if (last < 0) last = 0;
+            for (int64_t i = last; i < lanes; ++i) st[j * BQ + i] = neg_inf;
         }
     }
     if (a->mask_kind == MH_MASK_BOOL) {
@@ -209,69 +310,66 @@ static void FN(apply_dropout)(const mh_attn_args *a, int64_t bh, int64_t q0, int
         }
 }
 
-/* y[i] = exp(x[i]) with this path's vector exp (exposed for accuracy tests). */
-void FN(mh_exp_array)(const T *x, T *y, int64_t n)
+/* Keys any row of [q0, q0+nq) may see, intersected with [lo, hi): *begin, *end. */
+static void FN(key_range)(const mh_attn_args *a, int64_t q0, int64_t nq, int64_t lo, int64_t hi,
+                          int64_t *begin, int64_t *end)
 {
-    int64_t i = 0;
-    for (; i + VW <= n; i += VW) V_STORE(y + i, V_EXP(V_LOAD(x + i)));
-    if (i < n) {
-        T buf[VW];
-        for (int64_t l = 0; l < VW; ++l) buf[l] = i + l < n ? x[i + l] : (T)0;
-        V_STORE(buf, V_EXP(V_LOAD(buf)));
-        for (int64_t l = 0; i + l < n; ++l) y[i + l] = buf[l];
+    int64_t b = lo, e = hi < a->kv_len ? hi : a->kv_len;
+    if (a->causal) {
+        const int64_t limit = q0 + nq + a->causal_offset; /* exclusive, last row */
+        if (limit < e) e = limit;
+        if (a->window > 0) {
+            const int64_t first = q0 + a->causal_offset - a->window + 1; /* first row's start */
+            if (first > b) b = first;
+        }
     }
+    *begin = b;
+    *end = e;
 }
 
-void FN(mh_fwd_item)(const mh_attn_args *a, int64_t bh, int64_t q0, void *scratch)
+/* Stream keys [k_lo, k_hi) through rows [q0, q0+nq): leaves the unnormalised
+   output in w->acc and the running max and sum in w->row_max, w->row_sum. */
+static void FN(attend)(const mh_attn_args *a, int64_t bh, int64_t q0, int64_t nq, int64_t k_lo,
+                       int64_t k_hi, FN(work) *w)
 {
-    const int64_t E = a->head_dim, Ev = a->v_dim, S = a->kv_len;
-    const int64_t nq = (a->q_len - q0 < BQ) ? a->q_len - q0 : BQ;
+    const int64_t E = a->head_dim, Ev = a->v_dim, evp = w->evp;
     const int64_t nvq = (nq + VW - 1) / VW;
-    const int64_t evp = MH_ALIGN_UP(Ev, 16);
     const int64_t nvv = (Ev + VW - 1) / VW;
-
-    T *qt = (T *)scratch;
-    T *st = qt + MH_ALIGN_UP(E * BQ, 16);
-    T *acc = st + BK * BQ;
-    T *kpack = acc + BQ * evp;
-    T *vpack = kpack + MH_ALIGN_UP(BK * E, 16);
-    T *row_max = vpack + BK * evp;
-    T *row_sum = row_max + BQ;
-    T *alpha = row_sum + BQ;
-
     const T *q = (const T *)a->q + a->q_off[bh] + q0 * a->q_row;
-    const T *k = (const T *)a->k + a->k_off[bh];
-    const T *v = (const T *)a->v + a->v_off[bh];
-    T *out = (T *)a->out + a->out_off[bh] + q0 * a->out_row;
     const T scale = (T)a->scale;
 
-    /* pack the query block transposed and pre-scaled; pad lanes with zeros */
-    for (int64_t d = 0; d < E; ++d) {
-        for (int64_t i = 0; i < nq; ++i) qt[d * BQ + i] = q[i * a->q_row + d] * scale;
-        for (int64_t i = nq; i < nvq * VW; ++i) qt[d * BQ + i] = 0;
+    if (w->dot) {
+        /* few rows: row-major, zero-padded to a whole number of vectors */
+        for (int64_t i = 0; i < nq; ++i) {
+            for (int64_t d = 0; d < E; ++d) w->qt[i * w->ep + d] = q[i * a->q_row + d] * scale;
+            for (int64_t d = E; d < w->ep; ++d) w->qt[i * w->ep + d] = 0;
+        }
+        for (int64_t i = 0; i < BK * w->ep; ++i) w->kpack[i] = 0; /* padding columns stay 0 */
+    } else {
+        /* transposed and pre-scaled; pad lanes with zeros */
+        for (int64_t d = 0; d < E; ++d) {
+            for (int64_t i = 0; i < nq; ++i) w->qt[d * BQ + i] = q[i * a->q_row + d] * scale;
+            for (int64_t i = nq; i < nvq * VW; ++i) w->qt[d * BQ + i] = 0;
+        }
     }
     for (int64_t i = 0; i < BQ; ++i) {
-        row_max[i] = (T)(-INFINITY);
-        row_sum[i] = 0;
+        w->row_max[i] = (T)(-INFINITY);
+        w->row_sum[i] = 0;
     }
-    for (int64_t i = 0; i < nq * evp; ++i) acc[i] = 0;
-    for (int64_t i = 0; i < BK * evp; ++i) vpack[i] = 0; /* padding columns stay 0 */
+    for (int64_t i = 0; i < nq * evp; ++i) w->acc[i] = 0;
+    for (int64_t i = 0; i < BK * evp; ++i) w->vpack[i] = 0; /* padding columns stay 0 */
 
-    /* keys beyond the last row's causal limit are never touched */
-    int64_t k_end = S;
-    if (a->causal) {
-        int64_t limit = q0 + nq + a->causal_offset; /* exclusive */
-        if (limit < k_end) k_end = limit;
-    }
-
-    for (int64_t k0 = 0; k0 < k_end; k0 += BK) {
+    int64_t k_begin, k_end;
+    FN(key_range)(a, q0, nq, k_lo, k_hi, &k_begin, &k_end);
+    for (int64_t k0 = k_begin; k0 < k_end; k0 += BK) {
         const int64_t nk = (k_end - k0 < BK) ? k_end - k0 : BK;
-        FN(masked_scores)(a, bh, q0, nq, nvq, k0, nk, qt, k, kpack, st);
+        T *st = w->st;
+        FN(masked_scores)(a, bh, q0, nq, nvq, k0, nk, w);
 
         /* online softmax, vectorised across query rows */
         for (int64_t c = 0; c < nvq; ++c) {
             T *s = st + c * VW;
-            V m_old = V_LOAD(row_max + c * VW);
+            V m_old = V_LOAD(w->row_max + c * VW);
             V m_blk = V_LOAD(s);
             for (int64_t j = 1; j < nk; ++j) m_blk = V_MAX(m_blk, V_LOAD(s + j * BQ));
             V m_new = V_MAX(m_old, m_blk);
@@ -283,44 +381,108 @@ void FN(mh_fwd_item)(const mh_attn_args *a, int64_t bh, int64_t q0, void *scratc
                 V_STORE(s + j * BQ, p);
                 sum = V_ADD(sum, p);
             }
-            V_STORE(row_sum + c * VW, V_FMA(V_LOAD(row_sum + c * VW), al, sum));
-            V_STORE(row_max + c * VW, m_new);
-            V_STORE(alpha + c * VW, al);
+            V_STORE(w->row_sum + c * VW, V_FMA(V_LOAD(w->row_sum + c * VW), al, sum));
+            V_STORE(w->row_max + c * VW, m_new);
+            V_STORE(w->alpha + c * VW, al);
         }
         if (a->dropout_p > 0) FN(apply_dropout)(a, bh, q0, nq, k0, nk, st);
 
-        FN(copy_rows)(vpack, evp, v + k0 * a->v_row, a->v_row, nk, Ev);
-        FN(mix_values)(acc, evp, alpha, st, nk, nq, vpack, evp, nvv,
+        FN(load_rows)(a, a->v, a->v_off[bh], a->v_row, k0, nk, Ev, w->vpack, evp);
+        FN(mix_values)(w->acc, evp, w->alpha, st, nk, nq, w->vpack, evp, nvv,
                        FN(causal_kvis0)(a, q0, k0, nk));
     }
+}
+
+void FN(mh_fwd_item)(const mh_attn_args *a, int64_t bh, int64_t q0, void *scratch)
+{
+    const int64_t Ev = a->v_dim, S = a->kv_len;
+    const int64_t nq = (a->q_len - q0 < BQ) ? a->q_len - q0 : BQ;
+    const int64_t nvq = (nq + VW - 1) / VW;
+    FN(work) w = FN(carve)(a, nq, scratch);
+    T *out = (T *)a->out + a->out_off[bh] + q0 * a->out_row;
+
+    FN(attend)(a, bh, q0, nq, 0, S, &w);
 
     /* normalise once; rows that saw no key have row_sum == 0 and give zeros */
     for (int64_t i = 0; i < nq; ++i) {
-        const T inv = row_sum[i] == 0 ? (T)0 : (T)1 / row_sum[i];
-        row_sum[i] = inv;
-        for (int64_t d = 0; d < Ev; ++d) out[i * a->out_row + d] = acc[i * evp + d] * inv;
+        const T inv = w.row_sum[i] == 0 ? (T)0 : (T)1 / w.row_sum[i];
+        w.row_sum[i] = inv;
+        for (int64_t d = 0; d < Ev; ++d) out[i * a->out_row + d] = w.acc[i * w.evp + d] * inv;
     }
 
     if (a->weights) {
         /* second sweep: recompute each tile, normalise with the final row max
            and sum, and write the dense weights of this item's rows */
-        T *w = (T *)a->weights + (bh * a->q_len + q0) * S;
-        for (int64_t i = 0; i < nvq * VW; ++i) row_max[i] = i < nq ? row_max[i] : 0;
-        for (int64_t k0 = 0; k0 < k_end; k0 += BK) {
+        T *wt = (T *)a->weights + (bh * a->q_len + q0) * S;
+        int64_t k_begin, k_end;
+        FN(key_range)(a, q0, nq, 0, S, &k_begin, &k_end);
+        for (int64_t i = 0; i < nvq * VW; ++i) w.row_max[i] = i < nq ? w.row_max[i] : 0;
+        for (int64_t k0 = k_begin; k0 < k_end; k0 += BK) {
             const int64_t nk = (k_end - k0 < BK) ? k_end - k0 : BK;
-            FN(masked_scores)(a, bh, q0, nq, nvq, k0, nk, qt, k, kpack, st);
+            FN(masked_scores)(a, bh, q0, nq, nvq, k0, nk, &w);
             for (int64_t c = 0; c < nvq; ++c) {
-                V m_use = V_NEG_INF_TO_ZERO(V_LOAD(row_max + c * VW));
-                V inv = V_LOAD(row_sum + c * VW);
+                V m_use = V_NEG_INF_TO_ZERO(V_LOAD(w.row_max + c * VW));
+                V inv = V_LOAD(w.row_sum + c * VW);
                 for (int64_t j = 0; j < nk; ++j) {
-                    T *s = st + j * BQ + c * VW;
+                    T *s = w.st + j * BQ + c * VW;
                     V_STORE(s, V_MUL(V_EXP(V_SUB(V_LOAD(s), m_use)), inv));
                 }
             }
-            if (a->dropout_p > 0) FN(apply_dropout)(a, bh, q0, nq, k0, nk, st);
+            if (a->dropout_p > 0) FN(apply_dropout)(a, bh, q0, nq, k0, nk, w.st);
             for (int64_t i = 0; i < nq; ++i)
-                for (int64_t j = 0; j < nk; ++j) w[i * S + k0 + j] = st[j * BQ + i];
+                for (int64_t j = 0; j < nk; ++j) wt[i * S + k0 + j] = w.st[j * BQ + i];
         }
+    }
+}
+
+/* Decode split: every query row (q_len <= MH_BLOCK_Q) of pair `bh` against keys
+   [split * split_keys, (split + 1) * split_keys); writes the unnormalised
+   output, row max and row sum to the partial buffers for mh_merge. */
+void FN(mh_split_item)(const mh_attn_args *a, int64_t bh, int64_t split, void *scratch)
+{
+    const int64_t L = a->q_len, Ev = a->v_dim;
+    FN(work) w = FN(carve)(a, L, scratch);
+    const int64_t part = bh * a->n_split + split;
+    T *pacc = (T *)a->part_acc + part * L * Ev;
+    T *pm = (T *)a->part_max + part * L;
+    T *pl = (T *)a->part_sum + part * L;
+    FN(attend)(a, bh, 0, L, split * a->split_keys, (split + 1) * a->split_keys, &w);
+    for (int64_t i = 0; i < L; ++i) {
+        pm[i] = w.row_max[i];
+        pl[i] = w.row_sum[i];
+        for (int64_t d = 0; d < Ev; ++d) pacc[i * Ev + d] = w.acc[i * w.evp + d];
+    }
+}
+
+/* Merge the n_split partial results of pair `bh` in split order (so the result
+   does not depend on which thread computed which split) into the output. */
+void FN(mh_merge_item)(const mh_attn_args *a, int64_t bh, int64_t unused, void *scratch)
+{
+    const int64_t L = a->q_len, Ev = a->v_dim, ns = a->n_split;
+    const T *pacc = (const T *)a->part_acc + bh * ns * L * Ev;
+    const T *pm = (const T *)a->part_max + bh * ns * L;
+    const T *pl = (const T *)a->part_sum + bh * ns * L;
+    T *out = (T *)a->out + a->out_off[bh];
+    T *acc = (T *)scratch;
+    (void)unused;
+    for (int64_t i = 0; i < L; ++i) {
+        T m = (T)(-INFINITY);
+        int has_nan = 0;
+        for (int64_t s = 0; s < ns; ++s) {
+            const T ms = pm[s * L + i];
+            if (ms != ms) has_nan = 1;
+            else if (ms > m) m = ms;
+        }
+        const T m_use = (m == (T)(-INFINITY)) ? (T)0 : m;
+        T sum = has_nan ? (T)NAN : (T)0;
+        for (int64_t d = 0; d < Ev; ++d) acc[d] = 0;
+        for (int64_t s = 0; s < ns; ++s) {
+            const T f = (T)exp((double)(pm[s * L + i] - m_use));
+            sum += pl[s * L + i] * f;
+            for (int64_t d = 0; d < Ev; ++d) acc[d] += pacc[(s * L + i) * Ev + d] * f;
+        }
+        const T inv = sum == 0 ? (T)0 : (T)1 / sum;
+        for (int64_t d = 0; d < Ev; ++d) out[i * a->out_row + d] = acc[d] * inv;
     }
 }
 
@@ -346,3 +508,7 @@ void FN(mh_fwd_item)(const mh_attn_args *a, int64_t bh, int64_t q0, void *scratc
 #undef V_FMA
 #undef V_EXP
 #undef V_NEG_INF_TO_ZERO
+#undef V_HSUM
+#ifdef V_LOAD_HALF
+#undef V_LOAD_HALF
+#endif

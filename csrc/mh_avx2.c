@@ -9,6 +9,21 @@
 #include <immintrin.h>
 #include <math.h>
 
+static inline float mh_hsum_f32_avx2(__m256 v)
+{
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
+    return _mm_cvtss_f32(s);
+}
+
+static inline double mh_hsum_f64_avx2(__m256d v)
+{
+    __m128d s = _mm_add_pd(_mm256_castpd256_pd128(v), _mm256_extractf128_pd(v, 1));
+    s = _mm_add_sd(s, _mm_unpackhi_pd(s, s));
+    return _mm_cvtsd_f64(s);
+}
+
 /* ---------------------------------------------------------------- float32 */
 #define T float
 #define V __m256
@@ -28,6 +43,8 @@
 #define V_MAX(a, b) _mm256_max_ps((a), (b))
 #define V_FMA(a, b, c) _mm256_fmadd_ps((a), (b), (c))
 #define V_EXP(x) mh_exp_f32_avx2(x)
+#define V_HSUM(x) mh_hsum_f32_avx2(x)
+#define V_LOAD_HALF(p) _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p)))
 #define V_NEG_INF_TO_ZERO(x) \
     _mm256_andnot_ps(_mm256_cmp_ps((x), _mm256_set1_ps(-INFINITY), _CMP_EQ_OQ), (x))
 
@@ -76,6 +93,7 @@ static inline __m256 mh_exp_f32_avx2(__m256 x)
 #define V_MAX(a, b) _mm256_max_pd((a), (b))
 #define V_FMA(a, b, c) _mm256_fmadd_pd((a), (b), (c))
 #define V_EXP(x) mh_exp_f64_avx2(x)
+#define V_HSUM(x) mh_hsum_f64_avx2(x)
 #define V_NEG_INF_TO_ZERO(x) \
     _mm256_andnot_pd(_mm256_cmp_pd((x), _mm256_set1_pd(-INFINITY), _CMP_EQ_OQ), (x))
 
@@ -104,8 +122,9 @@ static inline __m256d mh_exp_f64_avx2(__m256d x)
 
 #include "mh_attention_impl.h"
 
-const mh_kernel_table mh_table_avx2 = {"avx2", mh_fwd_item_f32_avx2, mh_fwd_item_f64_avx2,
-                                     mh_exp_array_f32_avx2, mh_exp_array_f64_avx2};
+const mh_kernel_table mh_table_avx2 = {
+    "avx2", mh_fwd_item_f32_avx2, mh_fwd_item_f64_avx2, mh_split_item_f32_avx2, mh_split_item_f64_avx2,
+    mh_merge_item_f32_avx2, mh_merge_item_f64_avx2, mh_exp_array_f32_avx2, mh_exp_array_f64_avx2};
 int mh_avx2_compiled = 1;
 #else
 int mh_avx2_compiled = 0;

@@ -28,6 +28,8 @@
 #define V_MAX(a, b) _mm512_max_ps((a), (b))
 #define V_FMA(a, b, c) _mm512_fmadd_ps((a), (b), (c))
 #define V_EXP(x) mh_exp_f32_avx512(x)
+#define V_HSUM(x) _mm512_reduce_add_ps(x)
+#define V_LOAD_HALF(p) _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p)))
 #define V_NEG_INF_TO_ZERO(x) \
     _mm512_mask_blend_ps(_mm512_cmp_ps_mask((x), _mm512_set1_ps(-INFINITY), _CMP_EQ_OQ), (x), \
                          _mm512_setzero_ps())
@@ -74,6 +76,7 @@ static inline __m512 mh_exp_f32_avx512(__m512 x)
 #define V_MAX(a, b) _mm512_max_pd((a), (b))
 #define V_FMA(a, b, c) _mm512_fmadd_pd((a), (b), (c))
 #define V_EXP(x) mh_exp_f64_avx512(x)
+#define V_HSUM(x) _mm512_reduce_add_pd(x)
 #define V_NEG_INF_TO_ZERO(x) \
     _mm512_mask_blend_pd(_mm512_cmp_pd_mask((x), _mm512_set1_pd(-INFINITY), _CMP_EQ_OQ), (x), \
                          _mm512_setzero_pd())
@@ -100,8 +103,9 @@ static inline __m512d mh_exp_f64_avx512(__m512d x)
 
 #include "mh_attention_impl.h"
 
-const mh_kernel_table mh_table_avx512 = {"avx512", mh_fwd_item_f32_avx512, mh_fwd_item_f64_avx512,
-                                     mh_exp_array_f32_avx512, mh_exp_array_f64_avx512};
+const mh_kernel_table mh_table_avx512 = {
+    "avx512", mh_fwd_item_f32_avx512, mh_fwd_item_f64_avx512, mh_split_item_f32_avx512, mh_split_item_f64_avx512,
+    mh_merge_item_f32_avx512, mh_merge_item_f64_avx512, mh_exp_array_f32_avx512, mh_exp_array_f64_avx512};
 int mh_avx512_compiled = 1;
 #else
 int mh_avx512_compiled = 0;

@@ -71,6 +71,7 @@ static inline void v4d_store(double *p, mh_v4d v) { for (int l = 0; l < 4; ++l) 
 #define V_FMA(a, b, c) v4f_add(v4f_mul((a), (b)), (c))
 #define V_EXP(x) v4f_exp(x)
 #define V_NEG_INF_TO_ZERO(x) v4f_ninf0(x)
+#define V_HSUM(v) (((v).x[0] + (v).x[1]) + ((v).x[2] + (v).x[3]))
 #include "mh_attention_impl.h"
 
 /* ---------------------------------------------------------------- float64 */
@@ -93,7 +94,9 @@ static inline void v4d_store(double *p, mh_v4d v) { for (int l = 0; l < 4; ++l) 
 #define V_FMA(a, b, c) v4d_add(v4d_mul((a), (b)), (c))
 #define V_EXP(x) v4d_exp(x)
 #define V_NEG_INF_TO_ZERO(x) v4d_ninf0(x)
+#define V_HSUM(v) (((v).x[0] + (v).x[1]) + ((v).x[2] + (v).x[3]))
 #include "mh_attention_impl.h"
 
-const mh_kernel_table mh_table_baseline = {"baseline", mh_fwd_item_f32_baseline, mh_fwd_item_f64_baseline,
-                                     mh_exp_array_f32_baseline, mh_exp_array_f64_baseline};
+const mh_kernel_table mh_table_baseline = {
+    "baseline", mh_fwd_item_f32_baseline, mh_fwd_item_f64_baseline, mh_split_item_f32_baseline, mh_split_item_f64_baseline,
+    mh_merge_item_f32_baseline, mh_merge_item_f64_baseline, mh_exp_array_f32_baseline, mh_exp_array_f64_baseline};

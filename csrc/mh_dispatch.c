@@ -22,7 +22,7 @@ size_t mh_scratch_bytes(int64_t head_dim, int64_t v_dim, size_t elem_size)
     /* mirrors the layout in mh_attention_impl.h; every part a multiple of 16 elements */
     const int64_t evp = (v_dim + 15) / 16 * 16;
     const int64_t qt = (head_dim * MH_BLOCK_Q + 15) / 16 * 16;
-    const int64_t kpack = (head_dim * MH_BLOCK_K + 15) / 16 * 16;
+    const int64_t kpack = (head_dim + 15) / 16 * 16 * MH_BLOCK_K;
     const int64_t elems = qt + (int64_t)MH_BLOCK_K * MH_BLOCK_Q + (int64_t)MH_BLOCK_Q * evp +
                           kpack + (int64_t)MH_BLOCK_K * evp + 3 * MH_BLOCK_Q;
     return (size_t)elems * elem_size + 64;
@@ -63,14 +63,15 @@ int mh_cpu_supports(int isa)
     if (max_leaf < 7) return 0;
     mh_cpuid(1, 0, r);
     const int osxsave = (r[2] >> 27) & 1, fma = (r[2] >> 12) & 1, avx = (r[2] >> 28) & 1;
+    const int f16c = (r[2] >> 29) & 1;
     if (!osxsave || !avx) return 0;
     const unsigned long long xcr0 = mh_xgetbv0();
     const int os_ymm = (xcr0 & 0x6) == 0x6;     /* XMM and YMM state */
     const int os_zmm = (xcr0 & 0xe6) == 0xe6;   /* plus opmask and ZMM state */
     mh_cpuid(7, 0, r);
     const int avx2 = (r[1] >> 5) & 1, avx512f = (r[1] >> 16) & 1;
-    if (isa == MH_ISA_AVX2) return os_ymm && avx2 && fma;
-    if (isa == MH_ISA_AVX512) return os_ymm && os_zmm && avx2 && fma && avx512f;
+    if (isa == MH_ISA_AVX2) return os_ymm && avx2 && fma && f16c;
+    if (isa == MH_ISA_AVX512) return os_ymm && os_zmm && avx2 && fma && f16c && avx512f;
 #endif
     return 0;
 }

@@ -33,6 +33,7 @@ extern "C" {
 
 #define MH_BLOCK_Q 64 /* query rows per work item */
 #define MH_BLOCK_K 64 /* keys per streamed block */
+#define MH_DOT_ROWS 4 /* up to this many query rows use dot-product scores (decode) */
 
 enum mh_mask_kind { MH_MASK_NONE = 0, MH_MASK_BOOL = 1, MH_MASK_ADD = 2 };
 enum mh_isa { MH_ISA_BASELINE = 0, MH_ISA_AVX2 = 1, MH_ISA_AVX512 = 2, MH_ISA_COUNT = 3 };
@@ -56,9 +57,14 @@ typedef struct mh_attn_args {
     const void *mask; const int64_t *mask_off; int64_t mask_row; int64_t mask_col;
 
     /* Causal: query row i may attend key j iff j <= i + causal_offset.
-       0 is PyTorch's top-left alignment; S - L aligns queries to the end. */
+       0 is PyTorch's top-left alignment; S - L aligns queries to the end.
+       window > 0 (causal only) also hides keys j <= i + causal_offset - window. */
     int causal;
     int64_t causal_offset;
+    int64_t window;
+
+    /* K and V hold float16 (read and widened by the kernels; float32 only) */
+    int kv_half;
 
     double scale;       /* multiplies q.k */
     double dropout_p;   /* probability of dropping an attention weight */
@@ -67,6 +73,12 @@ typedef struct mh_attn_args {
     /* Optional: dense weights (n_bh, L, S), C-contiguous, pre-zeroed by the
        caller; when set, the kernel also writes the (post-dropout) weights. */
     void *weights;
+
+    /* Decode split (mh_split_item / mh_merge_item): keys cut into n_split
+       ranges of split_keys; partial outputs (n_bh, n_split, L, Ev), row max
+       and row sum (n_bh, n_split, L), all of the kernel's float type. */
+    int64_t n_split, split_keys;
+    void *part_acc, *part_max, *part_sum;
 } mh_attn_args;
 
 /* One work item: pair `bh`, query rows [q_start, min(q_start + MH_BLOCK_Q, L)).
@@ -78,6 +90,10 @@ typedef struct mh_kernel_table {
     const char *name;
     mh_fwd_item_fn fwd_f32;
     mh_fwd_item_fn fwd_f64;
+    mh_fwd_item_fn split_f32; /* (args, bh, split index, scratch) */
+    mh_fwd_item_fn split_f64;
+    mh_fwd_item_fn merge_f32; /* (args, bh, unused, scratch of >= Ev elements) */
+    mh_fwd_item_fn merge_f64;
     void (*exp_f32)(const float *x, float *y, int64_t n);   /* the path's vector exp */
     void (*exp_f64)(const double *x, double *y, int64_t n);
 } mh_kernel_table;
@@ -105,6 +121,21 @@ static inline uint64_t mh_dropout_bits(uint64_t seed, uint64_t bh, uint64_t i, u
     z = (z ^ (z >> 30)) * UINT64_C(0xBF58476D1CE4E5B9);
     z = (z ^ (z >> 27)) * UINT64_C(0x94D049BB133111EB);
     return z ^ (z >> 31);
+}
+
+/* IEEE half -> float, exactly (subnormals, infinities and NaN included). */
+static inline float mh_half_to_float(uint16_t h)
+{
+    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
+    const uint32_t exp = (h >> 10) & 0x1fu, mant = h & 0x3ffu;
+    union { uint32_t u; float f; } r;
+    if (exp == 0) {
+        float f = (float)mant * (1.0f / 16777216.0f); /* mant * 2^-24 */
+        return sign ? -f : f;
+    }
+    r.u = exp == 31 ? (sign | 0x7f800000u | (mant << 13))
+                    : (sign | ((exp + 112u) << 23) | (mant << 13));
+    return r.f;
 }
 
 #ifdef __cplusplus

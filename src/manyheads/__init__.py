@@ -39,6 +39,7 @@ _load_kernels()
 
 from . import _config, oracle  # noqa: E402
 from ._config import get_num_threads, kernel_isa, set_num_threads, show_config  # noqa: E402
+from .cache import KVCache  # noqa: E402
 from .functional import scaled_dot_product_attention  # noqa: E402
 from .modules import CausalAttention, MultiHeadAttention, StackedMultiHeadAttention  # noqa: E402
 
@@ -50,6 +51,7 @@ __all__ = [
     "CausalAttention",
     "StackedMultiHeadAttention",
     "MultiHeadAttention",
+    "KVCache",
     "set_num_threads",
     "get_num_threads",
     "show_config",

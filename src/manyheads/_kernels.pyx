@@ -18,6 +18,7 @@ cdef extern from "mh_kernels.h" nogil:
     enum:
         MH_BLOCK_Q
         MH_BLOCK_K
+        MH_DOT_ROWS
         MH_MASK_NONE
         MH_MASK_BOOL
         MH_MASK_ADD
@@ -46,10 +47,16 @@ cdef extern from "mh_kernels.h" nogil:
         int64_t mask_row, mask_col
         int causal
         int64_t causal_offset
+        int64_t window
+        int kv_half
         double scale
         double dropout_p
         uint64_t seed
         void *weights
+        int64_t n_split, split_keys
+        void *part_acc
+        void *part_max
+        void *part_sum
 
     ctypedef void (*mh_fwd_item_fn)(const mh_attn_args *args, int64_t bh, int64_t q_start,
                                     void *scratch) noexcept nogil
@@ -58,6 +65,10 @@ cdef extern from "mh_kernels.h" nogil:
         const char *name
         mh_fwd_item_fn fwd_f32
         mh_fwd_item_fn fwd_f64
+        mh_fwd_item_fn split_f32
+        mh_fwd_item_fn split_f64
+        mh_fwd_item_fn merge_f32
+        mh_fwd_item_fn merge_f64
         void (*exp_f32)(const float *x, float *y, int64_t n) noexcept nogil
         void (*exp_f64)(const double *x, double *y, int64_t n) noexcept nogil
 
@@ -75,6 +86,7 @@ cdef extern from "mh_openmp.h" nogil:
 ISA_NAMES = ("baseline", "avx2", "avx512")
 BLOCK_Q = MH_BLOCK_Q
 BLOCK_K = MH_BLOCK_K
+DOT_ROWS = MH_DOT_ROWS
 MASK_NONE = MH_MASK_NONE
 MASK_BOOL = MH_MASK_BOOL
 MASK_ADD = MH_MASK_ADD
@@ -163,24 +175,28 @@ def attention_forward(q, const int64_t[::1] q_off, int64_t q_row,
                       int mask_kind, mask, const int64_t[::1] mask_off,
                       int64_t mask_row, int64_t mask_col,
                       int64_t q_len, int64_t kv_len, int64_t head_dim, int64_t v_dim,
-                      bint causal, int64_t causal_offset, double scale,
-                      double dropout_p, uint64_t seed, weights, int num_threads):
-    """Run every (pair, query block) work item; arrays share one float dtype.
+                      bint causal, int64_t causal_offset, int64_t window, bint kv_half,
+                      double scale, double dropout_p, uint64_t seed, weights,
+                      int64_t split_keys, int num_threads):
+    """Run every work item of one attention call; q and out share one float dtype.
 
     Offsets and strides are in elements relative to each array's data pointer.
+    ``split_keys > 0`` selects the decode schedule (q_len <= BLOCK_Q): keys cut
+    into ranges of that many, attended in parallel, merged in a fixed order.
     """
     cdef mh_attn_args a
     cdef int64_t n_bh = q_off.shape[0]
     cdef int64_t n_qb = (q_len + MH_BLOCK_Q - 1) // MH_BLOCK_Q
-    cdef int64_t n_items = n_bh * n_qb
+    cdef int64_t n_items
     cdef bint is_f64 = (<cnp.ndarray>out).dtype.itemsize == 8
     cdef mh_fwd_item_fn fn = _table.fwd_f64 if is_f64 else _table.fwd_f32
+    cdef mh_fwd_item_fn merge_fn = _table.merge_f64 if is_f64 else _table.merge_f32
     cdef size_t item_bytes, stride_bytes
-    cdef int64_t it, bh, qb
+    cdef int64_t it, bh, qb, n_split = 0
     cdef char *scratch_base
     cdef int nt = num_threads
 
-    if n_items == 0:
+    if n_bh == 0 or q_len == 0:
         return
     a.n_bh = n_bh
     a.q_len = q_len
@@ -206,10 +222,33 @@ def attention_forward(q, const int64_t[::1] q_off, int64_t q_row,
     a.mask_col = mask_col
     a.causal = causal
     a.causal_offset = causal_offset
+    a.window = window
+    a.kv_half = kv_half
     a.scale = scale
     a.dropout_p = dropout_p
     a.seed = seed
     a.weights = <void *>_ptr(weights) if weights is not None else NULL
+    a.n_split = 0
+    a.split_keys = 0
+    a.part_acc = NULL
+    a.part_max = NULL
+    a.part_sum = NULL
+
+    if split_keys > 0:
+        n_split = (kv_len + split_keys - 1) // split_keys
+        a.n_split = n_split
+        a.split_keys = split_keys
+        dt = (<cnp.ndarray>out).dtype
+        part_acc = np.empty(n_bh * n_split * q_len * v_dim, dtype=dt)
+        part_max = np.empty(n_bh * n_split * q_len, dtype=dt)
+        part_sum = np.empty(n_bh * n_split * q_len, dtype=dt)
+        a.part_acc = <void *>cnp.PyArray_DATA(part_acc)
+        a.part_max = <void *>cnp.PyArray_DATA(part_max)
+        a.part_sum = <void *>cnp.PyArray_DATA(part_sum)
+        fn = _table.split_f64 if is_f64 else _table.split_f32
+        n_items = n_bh * n_split
+    else:
+        n_items = n_bh * n_qb
 
     if nt > n_items:
         nt = <int>n_items
@@ -220,6 +259,16 @@ def attention_forward(q, const int64_t[::1] q_off, int64_t q_row,
     scratch = np.empty(stride_bytes * nt + 64, dtype=np.uint8)
     scratch_base = <char *>cnp.PyArray_DATA(scratch)
     scratch_base += (64 - (<uintptr_t>scratch_base) % 64) % 64
+
+    if split_keys > 0:
+        # every (pair, key range) on its own, then each pair's ranges merged in order
+        with nogil, parallel(num_threads=nt):
+            for it in prange(n_items, schedule="dynamic", chunksize=1):
+                fn(&a, it // n_split, it % n_split, scratch_base + threadid() * stride_bytes)
+        with nogil, parallel(num_threads=nt if nt < n_bh else <int>n_bh):
+            for it in prange(n_bh, schedule="static"):
+                merge_fn(&a, it, 0, scratch_base + threadid() * stride_bytes)
+        return
 
     # Items go out one at a time, pair by pair (so the threads share one pair's
     # keys and values in cache) and, within a pair, heaviest query block (the

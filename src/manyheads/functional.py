@@ -19,6 +19,8 @@ from . import _config, _kernels
 __all__ = ["scaled_dot_product_attention", "SUPPORTED_DTYPES"]
 
 SUPPORTED_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
+# keys per range in the decode schedule; fixed, so results never depend on the thread count
+_SPLIT_KEYS = 512
 _SUPPORTED_TEXT = "float32 or float64"
 
 
@@ -247,16 +249,25 @@ def _attention(
     return_weights: bool = False,
     num_threads: int,
     out: np.ndarray | None = None,
+    window: int | None = None,
+    split: bool | None = None,
 ) -> Any:
     """Checked-input core shared by the functional API and the modules.
 
     ``causal_offset=c`` lets query ``i`` see keys ``j <= i + c`` (None: no
     causal mask).  ``out``, if given, is a writable view of the output shape
     (it may be strided, e.g. the merged-heads layout of a fused module).
+    ``window=W`` (with a causal offset) also hides keys more than W-1 positions
+    back.  k and v may be float16 (a KV cache) when q is float32.  ``split``
+    forces (True) or forbids (False) the split-key decode schedule; by default
+    it is used for a few query rows against many keys.
     """
     L, E = q.shape[-2:]
     S, Ev = v.shape[-2:]
-    q, k, v = _kernel_ready(q), _kernel_ready(k), _kernel_ready(v)
+    kv_half = k.dtype == np.float16
+    q = _kernel_ready(q)
+    k = _kernel_ready(k.view(np.uint16) if kv_half else k)
+    v = _kernel_ready(v.view(np.uint16) if kv_half else v)
     if mask is not None:
         mask = _kernel_ready(mask, contiguous_rows=False)
     if enable_gqa:
@@ -301,6 +312,9 @@ def _attention(
         mask_arr, mask_off = mv, _offsets(mv, nb)
         mask_row, mask_col = _row_stride(mv, -2), _row_stride(mv, -1)
 
+    if split is None:
+        split = L <= _kernels.DOT_ROWS and S >= 2 * _SPLIT_KEYS
+    split = bool(split) and weights is None and dropout_p == 0 and L <= _kernels.BLOCK_Q
     _kernels.attention_forward(
         qv, _offsets(qv, nb), _row_stride(qv, -2),
         kv, _offsets(kv, n_kv_batch), _row_stride(kv, -2),
@@ -309,6 +323,8 @@ def _attention(
         mask_kind, mask_arr, mask_off, mask_row, mask_col,
         L, S, E, Ev,
         causal_offset is not None, 0 if causal_offset is None else int(causal_offset),
-        float(scale), float(dropout_p), int(seed), weights, int(num_threads),
+        0 if window is None else int(window), kv_half,
+        float(scale), float(dropout_p), int(seed), weights,
+        _SPLIT_KEYS if split else 0, int(num_threads),
     )
     return (out, weights) if return_weights else out

@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from . import _blas, _config
+from .cache import KVCache
 from .functional import SUPPORTED_DTYPES, _attention, _check_dropout, _seed_value
 
 __all__ = ["CausalAttention", "StackedMultiHeadAttention", "MultiHeadAttention"]
@@ -30,6 +31,10 @@ def _check_positive_int(value: Any, name: str, minimum: int = 1) -> int:
     if int(value) < minimum:
         raise ValueError(f"{name} must be at least {minimum}, got {int(value)}")
     return int(value)
+
+
+def _check_window(window: Any) -> int | None:
+    return None if window is None else _check_positive_int(window, "window")
 
 
 def _check_dtype(dtype: Any) -> np.dtype:
@@ -54,6 +59,7 @@ class _Module:
     context_length: int
     dropout: float
     dtype: np.dtype
+    window: int | None
     _rng: np.random.Generator
 
     def _prepare_input(self, x: Any) -> tuple[np.ndarray, bool]:
@@ -77,6 +83,41 @@ class _Module:
         if single:
             x = x[None]
         return x.astype(self.dtype, copy=False), single
+
+    def _check_padding(self, key_padding_mask: Any, B: int, T: int) -> np.ndarray | None:
+        """(B, T) boolean, True = padding token (PyTorch's nn.MultiheadAttention convention)."""
+        if key_padding_mask is None:
+            return None
+        m = np.asarray(key_padding_mask)
+        if m.dtype != np.bool_:
+            raise TypeError(f"key_padding_mask must be boolean (True = padding), got {m.dtype}")
+        if m.ndim == 1 and B == 1:
+            m = m[None]
+        if m.shape != (B, T):
+            raise ValueError(
+                f"key_padding_mask must have shape (batch, new tokens) = {(B, T)}, got {m.shape}"
+            )
+        return m
+
+    def _attend(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, pad: np.ndarray | None,
+                cache: KVCache | None, heads: slice, *, p: float, seed: int,
+                return_weights: bool, nt: int, out: np.ndarray | None = None) -> Any:
+        """Causal attention of q over k, v (and the cache): (B, H, T, D) arrays."""
+        scale = 1.0 / np.sqrt(q.shape[-1])
+        if cache is not None:
+            return cache._attend(q, k, v, pad, heads, scale=scale, num_threads=nt, out=out,
+                                 return_weights=return_weights, dropout_p=p, seed=seed)
+        mask = None if pad is None or not pad.any() else ~pad[:, None, None, :]
+        return _attention(q, k, v, mask=mask, causal_offset=0, window=self.window, scale=scale,
+                          dropout_p=p, seed=seed, enable_gqa=q.shape[1] != k.shape[1],
+                          return_weights=return_weights, num_threads=nt, out=out)
+
+    def _check_cache(self, cache: Any, B: int, T: int, kv_heads: int, head_dim: int) -> None:
+        if cache is None:
+            return
+        if not isinstance(cache, KVCache):
+            raise TypeError(f"cache must be a KVCache from new_cache(), got {type(cache).__name__}")
+        cache._check_compatible(B, kv_heads, head_dim, self.dtype, self.window, T)
 
     def _dropout_for_call(self, training: bool) -> tuple[float, int]:
         if not isinstance(training, (bool, np.bool_)):
@@ -112,7 +153,9 @@ class CausalAttention(_Module):
     """
 
     def __init__(self, d_in: int, d_out: int, context_length: int, dropout: float = 0.0,
-                 qkv_bias: bool = False, *, dtype: Any = np.float32, seed: Any = None) -> None:
+                 qkv_bias: bool = False, *, window: int | None = None, dtype: Any = np.float32,
+                 seed: Any = None) -> None:
+        self.window = _check_window(window)
         self.d_in = _check_positive_int(d_in, "d_in")
         self.d_out = _check_positive_int(d_out, "d_out")
         self.context_length = _check_positive_int(context_length, "context_length")
@@ -145,33 +188,53 @@ class CausalAttention(_Module):
             y += b.astype(self.dtype, copy=False)
         return y
 
-    def __call__(self, x: Any, *, return_weights: bool = False, training: bool = False,
+    def new_cache(self, batch_size: int, max_len: int, dtype: Any = None) -> KVCache:
+        """An empty KV cache for this head (dtype defaults to the module's)."""
+        return KVCache(batch_size, max_len, 1, self.d_out,
+                       self.dtype if dtype is None else dtype, window=self.window)
+
+    def __call__(self, x: Any, *, cache: KVCache | None = None, key_padding_mask: Any = None,
+                 return_weights: bool = False, training: bool = False,
                  num_threads: int | None = None) -> Any:
         """Context vectors of every token.
 
         Parameters
         ----------
         x : array, shape (B, T, d_in) or (T, d_in)
+        cache : KVCache, optional
+            Appends x's keys and values and attends over every cached token.
+        key_padding_mask : bool array (B, T), optional
+            True marks padding tokens of x (no query attends to them).
 
         Returns
         -------
         context : ndarray, shape (B, T, d_out) or (T, d_out)
-        weights : ndarray, shape (B, T, T) or (T, T), with ``return_weights=True``
+        weights : ndarray, shape (B, T, S) or (T, S), with ``return_weights=True``
         """
         xb, single = self._prepare_input(x)
+        B, T, _ = xb.shape
+        pad = self._check_padding(key_padding_mask, B, T)
+        self._check_cache(cache, B, T, 1, self.d_out)
         p, seed = self._dropout_for_call(training)
         nt = _config.resolve_num_threads(num_threads)
-        with _blas.single_threaded_blas() as split:
-            q = self._project(xb, self.W_query, self.b_query, nt, split)
-            k = self._project(xb, self.W_key, self.b_key, nt, split)
-            v = self._project(xb, self.W_value, self.b_value, nt, split)
-        res = _attention(q, k, v, causal_offset=0, scale=1.0 / np.sqrt(self.d_out),
-                         dropout_p=p, seed=seed, return_weights=return_weights,
-                         num_threads=nt)
+        res = self._run(xb, pad, cache, slice(None), p, seed, return_weights, nt)
+        if cache is not None:
+            cache._commit(T, pad)
         if return_weights:
-            out, w = res
+            out, w = res[0][:, 0], res[1][:, 0]
             return (out[0], w[0]) if single else (out, w)
-        return res[0] if single else res
+        out = res[:, 0]
+        return out[0] if single else out
+
+    def _run(self, xb: np.ndarray, pad: np.ndarray | None, cache: KVCache | None,
+             heads: slice, p: float, seed: int, return_weights: bool, nt: int) -> Any:
+        """(B, 1, T, d_out) context (and weights) of checked input; the cache is not committed."""
+        with _blas.single_threaded_blas() as split:
+            q = self._project(xb, self.W_query, self.b_query, nt, split)[:, None]
+            k = self._project(xb, self.W_key, self.b_key, nt, split)[:, None]
+            v = self._project(xb, self.W_value, self.b_value, nt, split)[:, None]
+        return self._attend(q, k, v, pad, cache, heads, p=p, seed=seed,
+                            return_weights=return_weights, nt=nt)
 
     forward = __call__
 
@@ -195,7 +258,8 @@ class StackedMultiHeadAttention(_Module):
 
     def __init__(self, d_in: int, d_out: int, context_length: int, dropout: float,
                  num_heads: int, qkv_bias: bool = False, *, out_proj: bool = True,
-                 dtype: Any = np.float32, seed: Any = None) -> None:
+                 window: int | None = None, dtype: Any = np.float32, seed: Any = None) -> None:
+        self.window = _check_window(window)
         self.d_in = _check_positive_int(d_in, "d_in")
         self.d_out = _check_positive_int(d_out, "d_out")
         self.context_length = _check_positive_int(context_length, "context_length")
@@ -212,7 +276,7 @@ class StackedMultiHeadAttention(_Module):
         self._rng = rng
         self.heads = [
             CausalAttention(self.d_in, self.head_dim, self.context_length, self.dropout,
-                            self.qkv_bias, dtype=self.dtype, seed=rng)
+                            self.qkv_bias, window=self.window, dtype=self.dtype, seed=rng)
             for _ in range(self.num_heads)
         ]
         self.W_out: np.ndarray | None = None
@@ -227,32 +291,49 @@ class StackedMultiHeadAttention(_Module):
                 f"num_heads={self.num_heads}, qkv_bias={self.qkv_bias}, "
                 f"out_proj={self.W_out is not None}, dtype={self.dtype.name})")
 
-    def __call__(self, x: Any, *, return_weights: bool = False, training: bool = False,
+    def new_cache(self, batch_size: int, max_len: int, dtype: Any = None) -> KVCache:
+        """An empty KV cache for every head (dtype defaults to the module's)."""
+        return KVCache(batch_size, max_len, self.num_heads, self.head_dim,
+                       self.dtype if dtype is None else dtype, window=self.window)
+
+    def __call__(self, x: Any, *, cache: KVCache | None = None, key_padding_mask: Any = None,
+                 return_weights: bool = False, training: bool = False,
                  num_threads: int | None = None) -> Any:
         """Concatenated head outputs Z (projected unless ``out_proj=False``).
 
         Parameters
         ----------
         x : array, shape (B, T, d_in) or (T, d_in)
+        cache : KVCache, optional
+            From :meth:`new_cache`; head h keeps its keys in the cache's head h.
+        key_padding_mask : bool array (B, T), optional
+            True marks padding tokens of x.
 
         Returns
         -------
         out : ndarray, shape (B, T, d_out) or (T, d_out)
-        weights : ndarray, shape (B, num_heads, T, T) or (num_heads, T, T),
+        weights : ndarray, shape (B, num_heads, T, S) or (num_heads, T, S),
             with ``return_weights=True``
         """
         xb, single = self._prepare_input(x)
-        if not isinstance(training, (bool, np.bool_)):
-            raise TypeError(f"training must be a bool, got {type(training).__name__}")
+        B, T, _ = xb.shape
+        pad = self._check_padding(key_padding_mask, B, T)
+        self._check_cache(cache, B, T, self.num_heads, self.head_dim)
         nt = _config.resolve_num_threads(num_threads)
+        self._dropout_for_call(training)  # checks the flag; each head draws its own stream
         with _blas.single_threaded_blas() as split:
-            results = [h(xb, return_weights=return_weights, training=training, num_threads=nt)
-                       for h in self.heads]
+            results = []
+            for h, head in enumerate(self.heads):
+                hp, seed = head._dropout_for_call(training)
+                results.append(head._run(xb, pad, cache, slice(h, h + 1), hp, seed,
+                                         return_weights, nt))
+            if cache is not None:
+                cache._commit(T, pad)
             if return_weights:
-                Z = np.concatenate([r[0] for r in results], axis=-1)
-                w = np.stack([r[1] for r in results], axis=1)
+                Z = np.concatenate([r[0][:, 0] for r in results], axis=-1)
+                w = np.concatenate([r[1] for r in results], axis=1)
             else:
-                Z = np.concatenate(results, axis=-1)
+                Z = np.concatenate([r[:, 0] for r in results], axis=-1)
             if self.W_out is not None:
                 Z = _blas.matmul(Z, self.W_out, nt, split)
                 if self.b_out is not None:
@@ -272,7 +353,8 @@ class StackedMultiHeadAttention(_Module):
         projection is the identity.
         """
         m = MultiHeadAttention(self.d_in, self.d_out, self.context_length, self.dropout,
-                               self.num_heads, self.qkv_bias, dtype=self.dtype, seed=0)
+                               self.num_heads, self.qkv_bias, window=self.window,
+                               dtype=self.dtype, seed=0)
         D = self.head_dim
         for h, head in enumerate(self.heads):
             cols = slice(h * D, (h + 1) * D)
@@ -324,7 +406,8 @@ class MultiHeadAttention(_Module):
 
     def __init__(self, d_in: int, d_out: int, context_length: int, dropout: float,
                  num_heads: int, qkv_bias: bool = False, *, num_kv_heads: int | None = None,
-                 dtype: Any = np.float32, seed: Any = None) -> None:
+                 window: int | None = None, dtype: Any = np.float32, seed: Any = None) -> None:
+        self.window = _check_window(window)
         self.d_in = _check_positive_int(d_in, "d_in")
         self.d_out = _check_positive_int(d_out, "d_out")
         self.context_length = _check_positive_int(context_length, "context_length")
@@ -406,36 +489,60 @@ class MultiHeadAttention(_Module):
 
     def __repr__(self) -> str:
         kv = f", num_kv_heads={self.num_kv_heads}" if self.num_kv_heads != self.num_heads else ""
+        kv += f", window={self.window}" if self.window is not None else ""
         return (f"MultiHeadAttention(d_in={self.d_in}, d_out={self.d_out}, "
                 f"context_length={self.context_length}, dropout={self.dropout}, "
                 f"num_heads={self.num_heads}, qkv_bias={self.qkv_bias}{kv}, "
                 f"dtype={self.dtype.name})")
 
-    def __call__(self, x: Any, *, return_weights: bool = False, training: bool = False,
+    def new_cache(self, batch_size: int, max_len: int, dtype: Any = None) -> KVCache:
+        """An empty KV cache (dtype defaults to the module's; float16 halves its memory).
+
+        It stores only the ``num_kv_heads`` key/value heads, and with a sliding
+        window only the last ``window`` tokens (a ring buffer).
+        """
+        return KVCache(batch_size, max_len, self.num_kv_heads, self.head_dim,
+                       self.dtype if dtype is None else dtype, window=self.window)
+
+    def __call__(self, x: Any, *, cache: KVCache | None = None, key_padding_mask: Any = None,
+                 return_weights: bool = False, training: bool = False,
                  num_threads: int | None = None) -> Any:
         """Attend every head of x in one kernel call, then project.
 
         Parameters
         ----------
         x : array, shape (B, T, d_in) or (T, d_in)
+        cache : KVCache, optional
+            From :meth:`new_cache`: x's keys and values are appended and its
+            queries attend over everything cached (query at absolute position p
+            sees keys 0..p).
+        key_padding_mask : bool array (B, T), optional
+            True marks padding tokens of x (e.g. left padding of short prompts);
+            nothing attends to them.
 
         Returns
         -------
         out : ndarray, shape (B, T, d_out) or (T, d_out)
-        weights : ndarray, shape (B, num_heads, T, T) or (num_heads, T, T),
-            with ``return_weights=True``
+        weights : ndarray, shape (B, num_heads, T, S) or (num_heads, T, S),
+            with ``return_weights=True`` (S = keys attended)
         """
         xb, single = self._prepare_input(x)
+        B, T, _ = xb.shape
+        pad = self._check_padding(key_padding_mask, B, T)
+        self._check_cache(cache, B, T, self.num_kv_heads, self.head_dim)
         p, seed = self._dropout_for_call(training)
         nt = _config.resolve_num_threads(num_threads)
         with _blas.single_threaded_blas() as split:
-            y, w = self._forward(xb, p, seed, return_weights, nt, split)
+            y, w = self._forward(xb, pad, cache, p, seed, return_weights, nt, split)
+        if cache is not None:
+            cache._commit(T, pad)
         if single:
             y = y[0]
             w = None if w is None else w[0]
         return (y, w) if return_weights else y
 
-    def _forward(self, xb: np.ndarray, p: float, seed: int, return_weights: bool, nt: int,
+    def _forward(self, xb: np.ndarray, pad: np.ndarray | None, cache: KVCache | None, p: float,
+                 seed: int, return_weights: bool, nt: int,
                  split: bool) -> tuple[np.ndarray, np.ndarray | None]:
         B, T, _ = xb.shape
         H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
@@ -448,9 +555,9 @@ class MultiHeadAttention(_Module):
         k = qkv[..., self._cols(1)].reshape(B, T, Hkv, D).transpose(0, 2, 1, 3)
         v = qkv[..., self._cols(2)].reshape(B, T, Hkv, D).transpose(0, 2, 1, 3)
         merged = np.empty((B, T, H * D), dtype=self.dtype)  # the kernel writes heads merged
-        res = _attention(q, k, v, causal_offset=0, scale=1.0 / np.sqrt(D), dropout_p=p,
-                         seed=seed, enable_gqa=Hkv != H, return_weights=return_weights,
-                         num_threads=nt, out=merged.reshape(B, T, H, D).transpose(0, 2, 1, 3))
+        res = self._attend(q, k, v, pad, cache, slice(None), p=p, seed=seed,
+                           return_weights=return_weights, nt=nt,
+                           out=merged.reshape(B, T, H, D).transpose(0, 2, 1, 3))
         y = _blas.matmul(merged, self.W_out, nt, split)
         y += self.b_out
         return y, (res[1] if return_weights else None)
@@ -465,7 +572,8 @@ class MultiHeadAttention(_Module):
                 "share key/value weights"
             )
         st = StackedMultiHeadAttention(self.d_in, self.d_out, self.context_length, self.dropout,
-                                       self.num_heads, self.qkv_bias, dtype=self.dtype, seed=0)
+                                       self.num_heads, self.qkv_bias, window=self.window,
+                                       dtype=self.dtype, seed=0)
         D = self.head_dim
         for h, head in enumerate(st.heads):
             cols = slice(h * D, (h + 1) * D)

@@ -143,6 +143,7 @@ def scaled_dot_product_attention(
     enable_gqa: bool = False,
     *,
     causal_offset: int = 0,
+    window: int | None = None,
     seed: int = 0,
     return_weights: bool = False,
     dtype: type | None = None,
@@ -150,7 +151,8 @@ def scaled_dot_product_attention(
     """Reference for :func:`manyheads.scaled_dot_product_attention` (same semantics).
 
     ``causal_offset`` shifts the causal triangle (query i sees keys
-    j <= i + offset); ``seed`` selects the same dropout pattern as the kernels.
+    j <= i + offset); ``window=W`` also hides keys j <= i + offset - W;
+    ``seed`` selects the same dropout pattern as the kernels.
     """
     if dtype is not None:
         query, key, value = (a.astype(dtype) for a in (query, key, value))
@@ -164,6 +166,9 @@ def scaled_dot_product_attention(
     scores = (query @ np.swapaxes(key, -1, -2)) * np.asarray(scale, dtype=query.dtype)
     if is_causal:
         scores = np.where(causal_mask(L, S, causal_offset), -np.inf, scores)
+        if window is not None:
+            too_old = ~causal_mask(L, S, causal_offset - window)  # j <= i + offset - window
+            scores = np.where(too_old, -np.inf, scores)
     if attn_mask is not None:
         if attn_mask.dtype == np.bool_:
             scores = np.where(attn_mask, scores, -np.inf)
