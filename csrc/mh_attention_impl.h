@@ -180,29 +180,6 @@ static inline void FN(half_row)(T *dst, const uint16_t *src, int64_t n)
     for (; c < n; ++c) dst[c] = (T)mh_half_to_float(src[c]);
 }
 
-/* Scores for few query rows (decode): st[j][i] = qp_i . k_j with rows of both
-   zero-padded to ep (a whole number of vectors); lanes [nq, lanes) get 0. */
-static void FN(scores_dot)(const T *qp, int64_t ep, const T *kp, int64_t nk, int64_t nq,
-                           int64_t lanes, T *st)
-{
-    const int64_t nv = ep / VW;
-    for (int64_t j = 0; j < nk; ++j) {
-        const T *kr = kp + j * ep;
-        for (int64_t i = 0; i < nq; ++i) {
-            const T *qr = qp + i * ep;
-            V acc0 = V_ZERO(), acc1 = V_ZERO();
-            int64_t c = 0;
-            for (; c + 2 <= nv; c += 2) {
-                acc0 = V_FMA(V_LOAD(qr + c * VW), V_LOAD(kr + c * VW), acc0);
-                acc1 = V_FMA(V_LOAD(qr + (c + 1) * VW), V_LOAD(kr + (c + 1) * VW), acc1);
-            }
-            if (c < nv) acc0 = V_FMA(V_LOAD(qr + c * VW), V_LOAD(kr + c * VW), acc0);
-            st[j * BQ + i] = V_HSUM(V_ADD(acc0, acc1));
-        }
-        for (int64_t i = nq; i < lanes; ++i) st[j * BQ + i] = 0;
-    }
-}
-
 /* Keys of block [k0, k0+nk) visible to the item's first row (row i sees
    kvis0 + i of them); nk + BQ, i.e. "all", without a causal mask. */
 static inline int64_t FN(causal_kvis0)(const mh_attn_args *a, int64_t q0, int64_t k0, int64_t nk)
@@ -223,7 +200,7 @@ static FN(work) FN(carve)(const mh_attn_args *a, int64_t nq, void *scratch)
     const int64_t E = a->head_dim;
     w.evp = MH_ALIGN_UP(a->v_dim, 16);
     w.ep = MH_ALIGN_UP(E, 16);
-    w.dot = nq <= MH_DOT_ROWS;
+    w.dot = nq <= MH_DOT_ROWS && a->weights == NULL;
     w.qt = (T *)scratch;
     w.st = w.qt + MH_ALIGN_UP(E * BQ, 16);
     w.acc = w.st + BK * BQ;
@@ -257,13 +234,8 @@ static void FN(masked_scores)(const mh_attn_args *a, int64_t bh, int64_t q0, int
     const T neg_inf = (T)(-INFINITY);
     const int64_t E = a->head_dim, lanes = nvq * VW;
     T *st = w->st;
-    if (w->dot) {
-        FN(load_rows)(a, a->k, a->k_off[bh], a->k_row, k0, nk, E, w->kpack, w->ep);
-        FN(scores_dot)(w->qt, w->ep, w->kpack, nk, nq, lanes, st);
-    } else {
-        FN(load_rows)(a, a->k, a->k_off[bh], a->k_row, k0, nk, E, w->kpack, E);
-        FN(scores)(w->qt, E, w->kpack, E, nk, nvq, FN(causal_kvis0)(a, q0, k0, nk), st);
-    }
+    FN(load_rows)(a, a->k, a->k_off[bh], a->k_row, k0, nk, E, w->kpack, E);
+    FN(scores)(w->qt, E, w->kpack, E, nk, nvq, FN(causal_kvis0)(a, q0, k0, nk), st);
     /* only blocks that cross the diagonal need element masking */
     if (a->causal && k0 + nk - 1 > q0 + a->causal_offset) {
         for (int64_t j = 0; j < nk; ++j) {
@@ -327,6 +299,214 @@ static void FN(key_range)(const mh_attn_args *a, int64_t q0, int64_t nq, int64_t
     *end = e;
 }
 
+/* acc[r] = alpha[r]*acc[r] + sum_j p[r][j] * v[j] for R (<= MH_DOT_ROWS) rows whose
+   probabilities are stored key-major per row (p[r * BK + j]). */
+#ifdef V_LOAD_HALF
+#define MH_LOAD_KV(ptr, half) ((half) ? V_LOAD_HALF((const uint16_t *)(ptr)) : V_LOAD((const T *)(ptr)))
+#else
+#define MH_LOAD_KV(ptr, half) V_LOAD((const T *)(ptr))
+#endif
+
+MH_INLINE void FN(few_output)(T *acc, int64_t evp, const T *alpha, const T *p, int64_t nk,
+                              const void *vbase, int64_t v_row, int64_t nvv, const int R,
+                              const int half)
+{
+    const T *v = (const T *)vbase;
+    const uint16_t *vh = (const uint16_t *)vbase;
+#define MH_VROW(j, col) (half ? (const void *)(vh + (j) * v_row + (col)) \
+                              : (const void *)(v + (j) * v_row + (col)))
+    int64_t c = 0;
+    for (; c + NVO <= nvv; c += NVO) {
+        V o[MH_DOT_ROWS][NVO];
+        for (int r = 0; r < R; ++r) {
+            const V a = V_SET1(alpha[r]);
+            for (int u = 0; u < NVO; ++u) o[r][u] = V_MUL(V_LOAD(acc + r * evp + (c + u) * VW), a);
+        }
+        for (int64_t j = 0; j < nk; ++j) {
+            V vv[NVO];
+            for (int u = 0; u < NVO; ++u) vv[u] = MH_LOAD_KV(MH_VROW(j, (c + u) * VW), half);
+            for (int r = 0; r < R; ++r) {
+                const V pj = V_SET1(p[r * BK + j]);
+                for (int u = 0; u < NVO; ++u) o[r][u] = V_FMA(pj, vv[u], o[r][u]);
+            }
+        }
+        for (int r = 0; r < R; ++r)
+            for (int u = 0; u < NVO; ++u) V_STORE(acc + r * evp + (c + u) * VW, o[r][u]);
+    }
+    for (; c < nvv; ++c) {
+        V o[MH_DOT_ROWS];
+        for (int r = 0; r < R; ++r) o[r] = V_MUL(V_LOAD(acc + r * evp + c * VW), V_SET1(alpha[r]));
+        for (int64_t j = 0; j < nk; ++j) {
+            const V vv = MH_LOAD_KV(MH_VROW(j, c * VW), half);
+            for (int r = 0; r < R; ++r) o[r] = V_FMA(V_SET1(p[r * BK + j]), vv, o[r]);
+        }
+        for (int r = 0; r < R; ++r) V_STORE(acc + r * evp + c * VW, o[r]);
+    }
+#undef MH_VROW
+}
+
+/* s[i][j] = qp_i . k_j for nq rows and nk keys of nvk vectors each (keys read as
+   float16 when `half`). */
+MH_INLINE void FN(few_scores)(const T *qp, int64_t ep, int64_t nq, const void *kbase,
+                              int64_t k_row, int64_t nk, int64_t nvk, T *s, const int half)
+{
+    const T *kf = (const T *)kbase;
+    const uint16_t *kh = (const uint16_t *)kbase;
+    for (int64_t j = 0; j < nk; ++j) {
+        const void *kr = half ? (const void *)(kh + j * k_row) : (const void *)(kf + j * k_row);
+        for (int64_t i = 0; i < nq; ++i) {
+            const T *qr = qp + i * ep;
+            V acc0 = V_ZERO(), acc1 = V_ZERO();
+            int64_t c = 0;
+            for (; c + 2 <= nvk; c += 2) {
+                const void *k1 = half ? (const void *)((const uint16_t *)kr + c * VW)
+                                      : (const void *)((const T *)kr + c * VW);
+                const void *k2 = half ? (const void *)((const uint16_t *)kr + (c + 1) * VW)
+                                      : (const void *)((const T *)kr + (c + 1) * VW);
+                acc0 = V_FMA(V_LOAD(qr + c * VW), MH_LOAD_KV(k1, half), acc0);
+                acc1 = V_FMA(V_LOAD(qr + (c + 1) * VW), MH_LOAD_KV(k2, half), acc1);
+            }
+            if (c < nvk) {
+                const void *k1 = half ? (const void *)((const uint16_t *)kr + c * VW)
+                                      : (const void *)((const T *)kr + c * VW);
+                acc0 = V_FMA(V_LOAD(qr + c * VW), MH_LOAD_KV(k1, half), acc0);
+            }
+            s[i * BK + j] = V_HSUM(V_ADD(acc0, acc1));
+        }
+    }
+}
+
+/* Few query rows (decode, <= MH_DOT_ROWS): scores are kept per row and key-major,
+   so the online softmax runs across keys, 16 (or 8) at a time; keys and values
+   are read in place when their rows are whole vectors of the kernel's type. */
+static void FN(attend_few)(const mh_attn_args *a, int64_t bh, int64_t q0, int64_t nq,
+                           int64_t k_lo, int64_t k_hi, FN(work) *w)
+{
+    const int64_t E = a->head_dim, Ev = a->v_dim, evp = w->evp, ep = w->ep;
+    const T *q = (const T *)a->q + a->q_off[bh] + q0 * a->q_row;
+    const T scale = (T)a->scale, neg_inf = (T)(-INFINITY);
+#ifdef V_LOAD_HALF
+    const int can_half = 1; /* this path widens float16 vectors while it reads */
+#else
+    const int can_half = 0;
+#endif
+    const int half = a->kv_half;
+    const int k_direct = (!half || can_half) && E % VW == 0;
+    const int v_direct = (!half || can_half) && Ev % VW == 0;
+    const int64_t nvk = k_direct ? E / VW : ep / VW;
+    const int64_t nvv = (Ev + VW - 1) / VW;
+    T *qp = w->qt, *s = w->st;
+
+    for (int64_t i = 0; i < nq; ++i) {
+        for (int64_t d = 0; d < E; ++d) qp[i * ep + d] = q[i * a->q_row + d] * scale;
+        for (int64_t d = E; d < ep; ++d) qp[i * ep + d] = 0;
+        w->row_max[i] = neg_inf;
+        w->row_sum[i] = 0;
+    }
+    for (int64_t i = 0; i < nq * evp; ++i) w->acc[i] = 0;
+    if (!k_direct)
+        for (int64_t i = 0; i < BK * ep; ++i) w->kpack[i] = 0;
+    if (!v_direct)
+        for (int64_t i = 0; i < BK * evp; ++i) w->vpack[i] = 0;
+
+    int64_t k_begin, k_end;
+    FN(key_range)(a, q0, nq, k_lo, k_hi, &k_begin, &k_end);
+    for (int64_t k0 = k_begin; k0 < k_end; k0 += BK) {
+        const int64_t nk = (k_end - k0 < BK) ? k_end - k0 : BK;
+        const int64_t nk_pad = (nk + VW - 1) / VW * VW;
+        /* scores s[i][j] = (scale q_i) . k_j, then every mask */
+        if (k_direct && half) {
+            const uint16_t *kb = (const uint16_t *)a->k + a->k_off[bh] + k0 * a->k_row;
+            FN(few_scores)(qp, ep, nq, kb, a->k_row, nk, nvk, s, 1);
+        } else if (k_direct) {
+            const T *kb = (const T *)a->k + a->k_off[bh] + k0 * a->k_row;
+            FN(few_scores)(qp, ep, nq, kb, a->k_row, nk, nvk, s, 0);
+        } else {
+            FN(load_rows)(a, a->k, a->k_off[bh], a->k_row, k0, nk, E, w->kpack, ep);
+            FN(few_scores)(qp, ep, nq, w->kpack, ep, nk, nvk, s, 0);
+        }
+        for (int64_t i = 0; i < nq; ++i) {
+            T *sr = s + i * BK;
+            const int64_t row = q0 + i;
+            for (int64_t j = nk; j < nk_pad; ++j) sr[j] = neg_inf;
+            if (a->causal) {
+                const int64_t hi = row + a->causal_offset - k0; /* last visible j */
+                for (int64_t j = (hi + 1 > 0 ? hi + 1 : 0); j < nk; ++j) sr[j] = neg_inf;
+                if (a->window > 0) {
+                    const int64_t lo = row + a->causal_offset - a->window - k0; /* j <= lo hidden */
+                    for (int64_t j = 0; j <= lo && j < nk; ++j) sr[j] = neg_inf;
+                }
+            }
+            if (a->mask_kind == MH_MASK_BOOL) {
+                const unsigned char *m = (const unsigned char *)a->mask + a->mask_off[bh] +
+                                         row * a->mask_row + k0 * a->mask_col;
+                for (int64_t j = 0; j < nk; ++j)
+                    if (!m[j * a->mask_col]) sr[j] = neg_inf;
+            } else if (a->mask_kind == MH_MASK_ADD) {
+                const T *m = (const T *)a->mask + a->mask_off[bh] + row * a->mask_row +
+                             k0 * a->mask_col;
+                for (int64_t j = 0; j < nk; ++j) sr[j] += m[j * a->mask_col];
+            }
+            /* online softmax across this block's keys */
+            V mv = V_LOAD(sr);
+            for (int64_t j = VW; j < nk_pad; j += VW) mv = V_MAX(mv, V_LOAD(sr + j));
+            T lanes[VW];
+            V_STORE(lanes, mv);
+            T m_blk = lanes[0];
+            for (int l = 1; l < VW; ++l) m_blk = lanes[l] > m_blk ? lanes[l] : m_blk;
+            const T m_old = w->row_max[i];
+            const T m_new = m_blk > m_old ? m_blk : m_old;
+            const T m_use = m_new == neg_inf ? (T)0 : m_new;
+            const V mu = V_SET1(m_use);
+            V sum = V_ZERO();
+            for (int64_t j = 0; j < nk_pad; j += VW) {
+                const V p = V_EXP(V_SUB(V_LOAD(sr + j), mu));
+                V_STORE(sr + j, p);
+                sum = V_ADD(sum, p);
+            }
+            V_STORE(lanes, V_EXP(V_SET1(m_old - m_use)));
+            w->alpha[i] = lanes[0];
+            w->row_sum[i] = w->row_sum[i] * lanes[0] + V_HSUM(sum);
+            w->row_max[i] = m_new;
+        }
+        if (a->dropout_p > 0) {
+            const double p = a->dropout_p;
+            const T keep_scale = p >= 1.0 ? (T)0 : (T)(1.0 / (1.0 - p));
+            for (int64_t i = 0; i < nq; ++i)
+                for (int64_t j = 0; j < nk; ++j) {
+                    uint64_t bits = mh_dropout_bits(a->seed, (uint64_t)bh, (uint64_t)(q0 + i),
+                                                    (uint64_t)(k0 + j), (uint64_t)a->q_len,
+                                                    (uint64_t)a->kv_len);
+                    double u = (double)(bits >> 40) * (1.0 / 16777216.0);
+                    s[i * BK + j] = u >= p ? s[i * BK + j] * keep_scale : (T)0;
+                }
+        }
+        const void *vb;
+        int64_t v_stride;
+        int v_half = 0;
+        if (v_direct) {
+            v_half = half;
+            vb = half ? (const void *)((const uint16_t *)a->v + a->v_off[bh] + k0 * a->v_row)
+                      : (const void *)((const T *)a->v + a->v_off[bh] + k0 * a->v_row);
+            v_stride = a->v_row;
+        } else {
+            FN(load_rows)(a, a->v, a->v_off[bh], a->v_row, k0, nk, Ev, w->vpack, evp);
+            vb = w->vpack;
+            v_stride = evp;
+        }
+#define MH_FEW(R)                                                                          \
+    (v_half ? FN(few_output)(w->acc, evp, w->alpha, s, nk, vb, v_stride, nvv, R, 1)        \
+            : FN(few_output)(w->acc, evp, w->alpha, s, nk, vb, v_stride, nvv, R, 0))
+        switch (nq) {
+        case 1: MH_FEW(1); break;
+        case 2: MH_FEW(2); break;
+        case 3: MH_FEW(3); break;
+        default: MH_FEW(4); break;
+        }
+#undef MH_FEW
+    }
+}
+
 /* Stream keys [k_lo, k_hi) through rows [q0, q0+nq): leaves the unnormalised
    output in w->acc and the running max and sum in w->row_max, w->row_sum. */
 static void FN(attend)(const mh_attn_args *a, int64_t bh, int64_t q0, int64_t nq, int64_t k_lo,
@@ -339,18 +519,13 @@ static void FN(attend)(const mh_attn_args *a, int64_t bh, int64_t q0, int64_t nq
     const T scale = (T)a->scale;
 
     if (w->dot) {
-        /* few rows: row-major, zero-padded to a whole number of vectors */
-        for (int64_t i = 0; i < nq; ++i) {
-            for (int64_t d = 0; d < E; ++d) w->qt[i * w->ep + d] = q[i * a->q_row + d] * scale;
-            for (int64_t d = E; d < w->ep; ++d) w->qt[i * w->ep + d] = 0;
-        }
-        for (int64_t i = 0; i < BK * w->ep; ++i) w->kpack[i] = 0; /* padding columns stay 0 */
-    } else {
-        /* transposed and pre-scaled; pad lanes with zeros */
-        for (int64_t d = 0; d < E; ++d) {
-            for (int64_t i = 0; i < nq; ++i) w->qt[d * BQ + i] = q[i * a->q_row + d] * scale;
-            for (int64_t i = nq; i < nvq * VW; ++i) w->qt[d * BQ + i] = 0;
-        }
+        FN(attend_few)(a, bh, q0, nq, k_lo, k_hi, w);
+        return;
+    }
+    /* transposed and pre-scaled; pad lanes with zeros */
+    for (int64_t d = 0; d < E; ++d) {
+        for (int64_t i = 0; i < nq; ++i) w->qt[d * BQ + i] = q[i * a->q_row + d] * scale;
+        for (int64_t i = nq; i < nvq * VW; ++i) w->qt[d * BQ + i] = 0;
     }
     for (int64_t i = 0; i < BQ; ++i) {
         w->row_max[i] = (T)(-INFINITY);
@@ -509,6 +684,7 @@ void FN(mh_merge_item)(const mh_attn_args *a, int64_t bh, int64_t unused, void *
 #undef V_EXP
 #undef V_NEG_INF_TO_ZERO
 #undef V_HSUM
+#undef MH_LOAD_KV
 #ifdef V_LOAD_HALF
 #undef V_LOAD_HALF
 #endif
