@@ -192,6 +192,63 @@ def thread_scaling(T: int, threads: int, repeats: int, D: int = 64, H: int = 12)
     return {k: 1e3 * v for k, v in res.items()}
 
 
+def read_bandwidth_gbs(threads: int) -> dict[str, float]:
+    """Memory read rate of NumPy reductions over a 1 GiB float32 array split across threads.
+
+    Both ``sum`` and ``max`` are measured; ``sum`` (pairwise summation) can be
+    limited by arithmetic rather than memory, so the faster one is the ceiling.
+    """
+    import threading
+
+    a = np.ones(2**28, dtype=np.float32)
+
+    def split(fn: Callable[[np.ndarray], Any]) -> Callable[[], None]:
+        def run() -> None:
+            parts = np.array_split(a, threads)
+            ts = [threading.Thread(target=fn, args=(p,)) for p in parts[1:]]
+            for t in ts:
+                t.start()
+            fn(parts[0])
+            for t in ts:
+                t.join()
+        return run
+
+    res = compare({"sum": split(np.sum), "max": split(np.max)}, rounds=3, per_round=2)
+    return {k: a.nbytes / v / 1e9 for k, v in res.items()}
+
+
+def decode_cases(threads: int, repeats: int, with_torch: bool,
+                 lengths: tuple[int, ...] = (1024, 4096, 16384)) -> list[dict[str, Any]]:
+    """One new query (q_len=1) against a cache of L keys, B=1, H=12, D=64 (microseconds)."""
+    from manyheads.functional import _attention
+
+    torch = _torch() if with_torch else None
+    rows = []
+    for L in lengths:
+        rng = np.random.default_rng(L)
+        q = rng.standard_normal((1, 12, 1, 64)).astype(np.float32)
+        k, v = (rng.standard_normal((1, 12, L, 64)).astype(np.float32) for _ in range(2))
+        k16, v16 = k.astype(np.float16), v.astype(np.float16)
+        fns: dict[str, Callable[[], Any]] = {
+            "float32": lambda: mh.scaled_dot_product_attention(q, k, v, num_threads=threads),
+            "float16": lambda: _attention(q, k16, v16, scale=0.125, num_threads=threads),
+        }
+        if torch is not None:
+            torch.set_num_threads(threads)
+            tq, tk, tv = (torch.from_numpy(x) for x in (q, k, v))
+
+            def run_torch() -> Any:
+                with torch.inference_mode():
+                    return torch.nn.functional.scaled_dot_product_attention(tq, tk, tv)
+
+            fns["torch"] = run_torch
+        res = compare(fns, rounds=max(5, repeats), per_round=20)
+        row = {"L": L, "bytes_f32": int(k.nbytes + v.nbytes)}
+        row.update({f"{name}_us": 1e6 * t for name, t in res.items()})
+        rows.append(row)
+    return rows
+
+
 _PEAK_SCRIPT = r"""
 import resource, sys, numpy as np, manyheads as mh
 T, D, H = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
@@ -230,7 +287,7 @@ def run(quick: bool = False, out_dir: str | None = None, repeats: int = 7,
     Ts = [128, 512, 1024, 2048] if quick else [128, 512, 1024, 2048, 4096]
     side = [] if quick else [(2048, 32, np.float32), (2048, 128, np.float32),
                              (1024, 64, np.float64), (2048, 64, np.float64)]
-    n_steps = 1 + len(Ts) + len(side) + (0 if quick else 2) + 1
+    n_steps = 1 + len(Ts) + len(side) + (0 if quick else 2) + 3
     bar = Progress(n_steps, progress)
     results: dict[str, Any] = {
         "config": mh._config.config(),
@@ -256,6 +313,11 @@ def run(quick: bool = False, out_dir: str | None = None, repeats: int = 7,
         bar.step("peak memory, T=16384")
     results["module"] = module_case(threads, max(5, repeats // 2 + 1), torch is not None)
     bar.step("module B=8 T=1024 d=768 H=12")
+    results["bandwidth_gbs"] = read_bandwidth_gbs(threads)
+    bar.step("memory read rate, 1 GiB")
+    results["decode"] = decode_cases(threads, repeats, torch is not None,
+                                     (1024, 4096) if quick else (1024, 4096, 16384))
+    bar.step("decode q_len=1")
     text = format_markdown(results)
     if out_dir:
         os.makedirs(out_dir, exist_ok=True)
@@ -320,6 +382,25 @@ def format_markdown(r: dict[str, Any]) -> str:
                      "torch": "PyTorch: same projections + SDPA",
                      "oracle": "NumPy oracle (stacked heads)"}[name]
             lines.append(f"| {label} | {m[name]:.1f} | {m[name] / m['fused']:.2f}× |")
+    if "decode" in r:
+        bw = max(r["bandwidth_gbs"].values())
+        lines += [
+            "",
+            "Decode: one new query against a KV cache of L keys (q_len=1, B=1, H=12, D=64), µs; "
+            f"memory read rate {bw:.1f} GB/s (NumPy, 1 GiB, {r['threads']} threads: "
+            f"max {r['bandwidth_gbs']['max']:.1f}, sum {r['bandwidth_gbs']['sum']:.1f}):",
+            "",
+            "| L | manyheads float32 | manyheads float16 cache | torch SDPA | speed-up vs torch "
+            "| float16 vs float32 | float32 cache read rate |",
+            "|---:|---:|---:|---:|---:|---:|---:|",
+        ]
+        for d in r["decode"]:
+            t32, t16, tt = d["float32_us"], d["float16_us"], d.get("torch_us")
+            rate = d["bytes_f32"] / (t32 * 1e-6) / 1e9
+            lines.append(
+                f"| {d['L']} | {t32:.0f} | {t16:.0f} | {_fmt(tt, '.0f')} "
+                f"| {_fmt(None if tt is None else tt / t32)}× | {t32 / t16:.2f}× "
+                f"| {rate:.1f} GB/s ({rate / bw * 100:.0f}%) |")
     return "\n".join(lines) + "\n"
 
 
