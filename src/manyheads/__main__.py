@@ -93,8 +93,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
               f"(same weights; largest |torch - oracle|: {np.abs(y_torch.numpy() - ref).max():.2e})")
     _, w = fused(x, return_weights=True)
     last = w[:, -1]  # every head's weights for the final token
-    top = [tokens[i] for i in np.argsort(last.mean(0))[::-1][:8]]
-    print(f"the final token attends most (mean over heads) to: {' '.join(repr(t) for t in top)}")
+    top = np.argsort(last.mean(0))[::-1][:6]
+    print("the final token attends most (mean over heads) to: "
+          + ", ".join(f"{tokens[i]!r} at {i}" for i in top))
     return 0
 
 

@@ -22,7 +22,7 @@ from typing import Any, Iterator
 
 import numpy as np
 
-_MIN_ROWS_PER_CHUNK = 256   # below this a split costs more than it saves
+_MIN_ROWS_PER_CHUNK = 32  # below this a split costs more than it saves
 _lock = threading.Lock()
 _state: dict[str, Any] = {"controller": None, "checked": False, "pool": None, "workers": 0}
 
