@@ -103,7 +103,8 @@ class _Module:
                 cache: KVCache | None, heads: slice, *, p: float, seed: int,
                 return_weights: bool, nt: int, out: np.ndarray | None = None) -> Any:
         """Causal attention of q over k, v (and the cache): (B, H, T, D) arrays."""
-        scale = 1.0 / np.sqrt(q.shape[-1])
+        scale = getattr(self, "scale", None)
+        scale = 1.0 / np.sqrt(q.shape[-1]) if scale is None else scale
         if cache is not None:
             return cache._attend(q, k, v, pad, heads, scale=scale, num_threads=nt, out=out,
                                  return_weights=return_weights, dropout_p=p, seed=seed)
@@ -346,6 +347,39 @@ class StackedMultiHeadAttention(_Module):
 
     forward = __call__
 
+    @classmethod
+    def from_torch(cls, module: Any, *, context_length: int | None = None,
+                   dtype: Any = np.float32) -> "StackedMultiHeadAttention":
+        """A stack of heads with the weights of a PyTorch attention module.
+
+        Same sources as :meth:`MultiHeadAttention.from_torch`; the book's
+        wrapper becomes a stack without output projection.
+        """
+        from . import interop
+
+        w = interop.fused_weights(module, dtype)
+        if w["scale"] is not None and not np.isclose(w["scale"], (w["d_out"] // w["num_heads"])
+                                                     ** -0.5):
+            raise ValueError("a stack of heads uses the scale 1/sqrt(head_dim); import this "
+                             "module with MultiHeadAttention.from_torch instead")
+        ctx = context_length or interop.context_length_of(module)
+        qkv_bias = w["b_q"] is not None
+        st = cls(w["d_in"], w["d_out"], ctx, w["dropout"], w["num_heads"], qkv_bias,
+                 out_proj=w["W_out"] is not None, dtype=dtype, seed=0)
+        D = st.head_dim
+        for h, head in enumerate(st.heads):
+            c = slice(h * D, (h + 1) * D)
+            head.W_query[...], head.W_key[...], head.W_value[...] = (
+                w["W_q"][:, c], w["W_k"][:, c], w["W_v"][:, c])
+            if qkv_bias:
+                head.b_query[...], head.b_key[...], head.b_value[...] = (
+                    w["b_q"][c], w["b_k"][c], w["b_v"][c])
+        if st.W_out is not None:
+            st.W_out[...] = w["W_out"]
+            assert st.b_out is not None
+            st.b_out[...] = 0 if w["b_out"] is None else w["b_out"]
+        return st
+
     def to_fused(self) -> "MultiHeadAttention":
         """A :class:`MultiHeadAttention` with the same weights (copied) and outputs.
 
@@ -393,6 +427,8 @@ class MultiHeadAttention(_Module):
         Grouped-query attention: ``num_heads`` must be a multiple; query head
         ``h`` uses key/value head ``h // (num_heads // num_kv_heads)``.
         Defaults to ``num_heads``.
+    scale : float, optional, keyword-only
+        Multiplies the query-key products; defaults to ``1 / sqrt(head_dim)``.
     dtype, seed : keyword-only
 
     Attributes
@@ -406,8 +442,13 @@ class MultiHeadAttention(_Module):
 
     def __init__(self, d_in: int, d_out: int, context_length: int, dropout: float,
                  num_heads: int, qkv_bias: bool = False, *, num_kv_heads: int | None = None,
-                 window: int | None = None, dtype: Any = np.float32, seed: Any = None) -> None:
+                 window: int | None = None, scale: float | None = None, dtype: Any = np.float32,
+                 seed: Any = None) -> None:
         self.window = _check_window(window)
+        if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))
+                                  or not np.isfinite(scale)):
+            raise ValueError(f"scale must be a finite number or None, got {scale!r}")
+        self.scale = None if scale is None else float(scale)
         self.d_in = _check_positive_int(d_in, "d_in")
         self.d_out = _check_positive_int(d_out, "d_out")
         self.context_length = _check_positive_int(context_length, "context_length")
@@ -564,6 +605,73 @@ class MultiHeadAttention(_Module):
 
     forward = __call__
 
+    @classmethod
+    def from_torch(cls, module: Any, *, context_length: int | None = None,
+                   dtype: Any = np.float32) -> "MultiHeadAttention":
+        """A fused module with the weights of a PyTorch attention module.
+
+        Accepts ``torch.nn.MultiheadAttention``, the book's fused
+        ``MultiHeadAttention``, the book's ``MultiHeadAttentionWrapper`` (its
+        heads become the fused heads; the output projection is the identity)
+        and Hugging Face GPT-2 attention.  Anything else raises TypeError.
+        Its causal output equals the source module's.
+        """
+        from . import interop
+
+        w = interop.fused_weights(module, dtype)
+        ctx = context_length or interop.context_length_of(module)
+        qkv_bias = w["b_q"] is not None
+        m = cls(w["d_in"], w["d_out"], ctx, w["dropout"], w["num_heads"], qkv_bias,
+                scale=w["scale"], dtype=dtype, seed=0)
+        m.W_query, m.W_key, m.W_value = w["W_q"], w["W_k"], w["W_v"]
+        if qkv_bias:
+            assert m.b_qkv is not None
+            m.b_qkv[...] = np.concatenate([w["b_q"], w["b_k"], w["b_v"]])
+        m.W_out[...] = np.eye(m.d_out) if w["W_out"] is None else w["W_out"]
+        m.b_out[...] = 0 if w["b_out"] is None else w["b_out"]
+        return m
+
+    FORMAT_VERSION = 1
+
+    def save(self, path: Any) -> None:
+        """Write the module to an ``.npz`` file (arrays and a format version; no pickle)."""
+        meta = np.array([self.FORMAT_VERSION, self.d_in, self.d_out, self.context_length,
+                         self.num_heads, self.num_kv_heads, -1 if self.window is None
+                         else self.window], dtype=np.int64)
+        arrays = {"meta": meta, "dropout": np.array(self.dropout),
+                  "scale": np.array(np.nan if self.scale is None else self.scale),
+                  "W_qkv": self.W_qkv, "W_out": self.W_out, "b_out": self.b_out}
+        if self.b_qkv is not None:
+            arrays["b_qkv"] = self.b_qkv
+        np.savez(path, **arrays)
+
+    @classmethod
+    def load(cls, path: Any) -> "MultiHeadAttention":
+        """Read a module written by :meth:`save`; a wrong version or shape raises ValueError."""
+        with np.load(path, allow_pickle=False) as f:
+            files = set(f.files)
+            for name in ("meta", "dropout", "scale", "W_qkv", "W_out", "b_out"):
+                if name not in files:
+                    raise ValueError(f"{path}: not a manyheads module file (no {name!r})")
+            meta = f["meta"]
+            if meta.shape != (7,) or int(meta[0]) != cls.FORMAT_VERSION:
+                raise ValueError(f"{path}: format version {meta[:1].tolist()} is not "
+                                 f"{cls.FORMAT_VERSION}")
+            _, d_in, d_out, ctx, H, Hkv, window = (int(x) for x in meta)
+            scale = float(f["scale"])
+            W_qkv = f["W_qkv"]
+            dtype = W_qkv.dtype
+            m = cls(d_in, d_out, ctx, float(f["dropout"]), H, "b_qkv" in files, num_kv_heads=Hkv,
+                    window=None if window < 0 else window,
+                    scale=None if np.isnan(scale) else scale, dtype=dtype, seed=0)
+            for name in ("W_qkv", "W_out", "b_out") + (("b_qkv",) if "b_qkv" in files else ()):
+                arr, target = f[name], getattr(m, name)
+                if arr.shape != target.shape:
+                    raise ValueError(f"{path}: {name} has shape {arr.shape}, expected "
+                                     f"{target.shape}")
+                target[...] = arr
+        return m
+
     def to_stacked(self) -> StackedMultiHeadAttention:
         """A :class:`StackedMultiHeadAttention` with the same weights (copied) and outputs."""
         if self.num_kv_heads != self.num_heads:
@@ -571,6 +679,8 @@ class MultiHeadAttention(_Module):
                 "to_stacked() needs num_kv_heads == num_heads; independent heads cannot "
                 "share key/value weights"
             )
+        if self.scale is not None and not np.isclose(self.scale, self.head_dim ** -0.5):
+            raise ValueError("to_stacked() needs the default scale 1/sqrt(head_dim)")
         st = StackedMultiHeadAttention(self.d_in, self.d_out, self.context_length, self.dropout,
                                        self.num_heads, self.qkv_bias, window=self.window,
                                        dtype=self.dtype, seed=0)
