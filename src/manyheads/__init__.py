@@ -42,6 +42,7 @@ from ._config import get_num_threads, kernel_isa, set_num_threads, show_config  
 from .cache import KVCache  # noqa: E402
 from .functional import scaled_dot_product_attention  # noqa: E402
 from .modules import CausalAttention, MultiHeadAttention, StackedMultiHeadAttention  # noqa: E402
+from .plot import head_roles, plot_attention  # noqa: E402
 
 _config._init()
 
@@ -52,6 +53,8 @@ __all__ = [
     "StackedMultiHeadAttention",
     "MultiHeadAttention",
     "KVCache",
+    "plot_attention",
+    "head_roles",
     "set_num_threads",
     "get_num_threads",
     "show_config",

@@ -3,6 +3,7 @@
     python -m manyheads            # demo: a 768-wide, 12-head layer on built-in text
     python -m manyheads bench      # compare with PyTorch SDPA, the oracle and SGEMM
     python -m manyheads info       # kernel path, OpenMP, threads
+    python -m manyheads show --text "..." --out patterns.png   # every head's pattern
 """
 from __future__ import annotations
 
@@ -35,6 +36,78 @@ def demo_input(d_model: int = 768, seed: int = 0) -> tuple[np.ndarray, list[str]
     pos = rng.standard_normal((len(tokens), d_model)).astype(np.float32) * 0.1
     x = table[tokens] + pos
     return x, [chr(t) for t in tokens]
+
+
+def show_input(text: str, d_model: int = 768) -> tuple[np.ndarray, list[str]]:
+    """Byte tokens of ``text`` as (T, 768) vectors with three readable parts.
+
+    [one-hot of the token | one-hot of the previous token | sinusoidal position]
+    (256 dims each), as if an earlier layer had already copied each token's
+    predecessor into it; the ``show`` layer's hand-set heads read these parts.
+    Other widths (a saved module's) get a seeded random embedding instead.
+    """
+    ids = list(text.encode("utf-8"))
+    labels = [chr(t) if 32 <= t < 127 else f"\\x{t:02x}" for t in ids]
+    T = len(ids)
+    if d_model != 768:
+        rng = np.random.default_rng(0)
+        return (rng.standard_normal((256, d_model)).astype(np.float32)[ids]
+                + rng.standard_normal((T, d_model)).astype(np.float32) * 0.1), labels
+    x = np.zeros((T, 768), dtype=np.float32)
+    x[np.arange(T), ids] = 1.0
+    x[np.arange(1, T), 256 + np.array(ids[:-1], dtype=int)] = 1.0
+    x[:, 512:] = _positions(T)
+    return x, labels
+
+
+def _positions(T: int, dims: int = 256) -> np.ndarray:
+    """Sinusoidal positions: pairs (sin, cos) of pos * w_k, w_k = 10000^(-2k/dims)."""
+    w = 10000.0 ** (-np.arange(dims // 2) * 2.0 / dims)
+    ang = np.arange(T)[:, None] * w[None, :]
+    out = np.empty((T, dims), dtype=np.float32)
+    out[:, 0::2], out[:, 1::2] = np.sin(ang), np.cos(ang)
+    return out
+
+
+def show_layer(seed: int = 42) -> mh.MultiHeadAttention:
+    """The demo layer (768 wide, 12 heads, seeded) with heads 0-2 set by hand.
+
+    Head 0 is a previous-token head (its queries are positions rotated one step
+    back, its keys positions), head 1 a first-token head (a constant query
+    against keys that peak at position 0), head 2 an induction head (a
+    query's token against each key's previous token).  Heads 3-11 are random.
+    """
+    m = mh.MultiHeadAttention(768, 768, 4096, 0.0, 12, qkv_bias=True, seed=seed)
+    D = 64
+    m.W_query[:, 3 * D:] *= 12.0  # sharper random heads: the input vectors are short
+    m.W_query[:, :3 * D] = 0
+    m.W_key[:, :3 * D] = 0
+    m.b_qkv[: 3 * D] = 0
+    m.b_qkv[768: 768 + 3 * D] = 0
+    w = 10000.0 ** (-np.arange(128) * 2.0 / 256)
+    # head 0: 32 position frequency pairs; query rotated by -1 step so q_i . k_j peaks at j = i-1
+    pairs = np.arange(0, 64, 2)  # the higher frequencies resolve neighbours
+    beta = 24.0
+    for n, k in enumerate(pairs):
+        c, s = np.cos(w[k]), np.sin(w[k])
+        si, ci = 512 + 2 * k, 512 + 2 * k + 1
+        # sin(a - w) = sin a cos w - cos a sin w ; cos(a - w) = cos a cos w + sin a sin w
+        m.W_query[si, 2 * n] = beta * c
+        m.W_query[ci, 2 * n] = -beta * s
+        m.W_query[si, 2 * n + 1] = beta * s
+        m.W_query[ci, 2 * n + 1] = beta * c
+        m.W_key[si, 2 * n] = 1.0
+        m.W_key[ci, 2 * n + 1] = 1.0
+    # head 1: constant query; key = sum of the cosines, largest (128) at position 0
+    m.b_qkv[D] = 6.0
+    m.W_key[512 + 1::2, D] = 1.0
+    # head 2: token of the query against the previous token of each key
+    rng = np.random.default_rng(7)
+    codes = rng.standard_normal((256, D))
+    codes /= np.linalg.norm(codes, axis=1, keepdims=True)
+    m.W_query[:256, 2 * D:3 * D] = codes * 60.0
+    m.W_key[256:512, 2 * D:3 * D] = codes
+    return m
 
 
 def _time(fn: Callable[[], Any], repeats: int = 5) -> tuple[float, Any]:
@@ -99,6 +172,34 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_show(args: argparse.Namespace) -> int:
+    from manyheads.plot import format_roles, head_roles, plot_attention
+
+    if args.weights:
+        layer = mh.MultiHeadAttention.load(args.weights)
+        source = f"module {args.weights}"
+    else:
+        layer = show_layer()
+        source = "demo layer (heads 0-2 hand-set: previous-token, first-token, induction)"
+    x, tokens = show_input(args.text, layer.d_in)
+    if len(tokens) > layer.context_length:
+        print(f"text has {len(tokens)} byte tokens, more than the layer's context "
+              f"{layer.context_length}", file=sys.stderr)
+        return 2
+    _, w = layer(x, return_weights=True)
+    print(f"{source}; {len(tokens)} byte tokens")
+    print(format_roles(head_roles(w, tokens)))
+    try:
+        fig = plot_attention(w, tokens, title=f"{len(tokens)} tokens, {w.shape[0]} heads: "
+                                              "brightness = weight, blank = masked future")
+    except ImportError as exc:
+        print(f"{exc}", file=sys.stderr)
+        return 2
+    fig.savefig(args.out, dpi=args.dpi)
+    print(f"wrote {args.out}")
+    return 0
+
+
 def cmd_info(args: argparse.Namespace) -> int:
     mh.show_config()
     return 0
@@ -131,8 +232,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     b.add_argument("--repeats", type=int, default=7, help="timed calls per case (median)")
     b.add_argument("--out", default="bench-results", help="folder for table, JSON and plot")
     b.add_argument("--no-progress", action="store_true")
+    sh = sub.add_parser("show", help="draw every head's attention pattern for a text")
+    sh.add_argument("--text", default="the cat sat on the mat. the cat sat on the mat.")
+    sh.add_argument("--out", default="patterns.png", help="PNG file to write")
+    sh.add_argument("--weights", help="a module saved with MultiHeadAttention.save")
+    sh.add_argument("--dpi", type=int, default=110)
     args = parser.parse_args(argv)
-    handlers = {None: cmd_demo, "demo": cmd_demo, "info": cmd_info, "bench": cmd_bench}
+    handlers = {None: cmd_demo, "demo": cmd_demo, "info": cmd_info, "bench": cmd_bench,
+                "show": cmd_show}
     return handlers[args.command](args)
 
 
