@@ -5,7 +5,9 @@
   own target flags.  The run-time dispatcher picks one; no file is built with
   ``-march=native`` and no AVX code exists outside the per-ISA files.
 * OpenMP is used when the compiler supports it.  Set ``MANYHEADS_NO_OPENMP=1``
-  to build without it (the kernels then run on one thread).
+  to build without it (the kernels then run on one thread).  ``OPENMP_PREFIX``
+  points at a separately installed OpenMP runtime (include/ and lib/), as the
+  macOS wheels use.
 """
 import os
 import platform
@@ -47,12 +49,16 @@ class BuildExt(build_ext):
         if _env_flag("MANYHEADS_NO_OPENMP"):
             print("manyheads: OpenMP disabled by MANYHEADS_NO_OPENMP")
             return None
+        prefix = os.environ.get("OPENMP_PREFIX", "").strip()  # e.g. a libomp built for macOS
+        inc = [f"-I{prefix}/include"] if prefix else []
+        lib = [f"-L{prefix}/lib", f"-Wl,-rpath,{prefix}/lib"] if prefix else []
         if self._msvc():
             candidates = [(["/openmp"], [])]
         elif sys.platform == "darwin":
-            candidates = [(["-Xpreprocessor", "-fopenmp"], ["-lomp"]), (["-fopenmp"], ["-fopenmp"])]
+            candidates = [(["-Xpreprocessor", "-fopenmp"] + inc, lib + ["-lomp"]),
+                          (["-fopenmp"] + inc, lib + ["-fopenmp"])]
         else:
-            candidates = [(["-fopenmp"], ["-fopenmp"])]
+            candidates = [(["-fopenmp"] + inc, lib + ["-fopenmp"])]
         for cflags, ldflags in candidates:
             if self._try_compile_openmp(cflags, ldflags):
                 print(f"manyheads: building with OpenMP ({' '.join(cflags)})")

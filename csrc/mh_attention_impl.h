@@ -52,8 +52,8 @@ static inline void FN(copy_rows)(T *dst, int64_t dst_row, const T *src, int64_t 
                                  int64_t rows, int64_t n)
 {
     for (int64_t j = 0; j < rows; ++j) {
-        T *restrict d = dst + j * dst_row;
-        const T *restrict s = src + j * src_row;
+        T *MH_RESTRICT d = dst + j * dst_row;
+        const T *MH_RESTRICT s = src + j * src_row;
         for (int64_t c = 0; c < n; ++c) d[c] = s[c];
     }
 }

@@ -31,6 +31,15 @@
 extern "C" {
 #endif
 
+#if defined(_MSC_VER) && !defined(__cplusplus) && !defined(inline)
+#define inline __inline /* older MSVC C modes spell it __inline */
+#endif
+#if defined(_MSC_VER)
+#define MH_RESTRICT __restrict
+#else
+#define MH_RESTRICT restrict
+#endif
+
 #define MH_BLOCK_Q 64 /* query rows per work item */
 #define MH_BLOCK_K 64 /* keys per streamed block */
 #define MH_DOT_ROWS 4 /* up to this many query rows use dot-product scores (decode) */

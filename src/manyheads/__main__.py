@@ -78,6 +78,7 @@ def show_layer(seed: int = 42) -> mh.MultiHeadAttention:
     query's token against each key's previous token).  Heads 3-11 are random.
     """
     m = mh.MultiHeadAttention(768, 768, 4096, 0.0, 12, qkv_bias=True, seed=seed)
+    assert m.b_qkv is not None  # qkv_bias=True
     D = 64
     m.W_query[:, 3 * D:] *= 12.0  # sharper random heads: the input vectors are short
     m.W_query[:, :3 * D] = 0
@@ -156,7 +157,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
         def torch_layer() -> Any:
             q, k, v = (p.view(T, H, d // H).transpose(0, 1)
-                       for p in F.linear(tx, w, b).split(d, dim=-1))
+                       for p in torch.split(F.linear(tx, w, b), d, dim=-1))
             ctx = F.scaled_dot_product_attention(q, k, v, is_causal=True)
             return F.linear(ctx.transpose(0, 1).reshape(T, d), wo, bo)
 

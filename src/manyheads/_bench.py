@@ -243,7 +243,7 @@ def decode_cases(threads: int, repeats: int, with_torch: bool,
 
             fns["torch"] = run_torch
         res = compare(fns, rounds=max(5, repeats), per_round=20)
-        row = {"L": L, "bytes_f32": int(k.nbytes + v.nbytes)}
+        row: dict[str, Any] = {"L": L, "bytes_f32": int(k.nbytes + v.nbytes)}
         row.update({f"{name}_us": 1e6 * t for name, t in res.items()})
         rows.append(row)
     return rows

@@ -32,7 +32,8 @@ def _controller() -> Any:
         with _lock:
             if not _state["checked"]:
                 try:
-                    from threadpoolctl import ThreadpoolController
+                    # threadpoolctl ships no type information (no py.typed, no stubs)
+                    from threadpoolctl import ThreadpoolController  # type: ignore[import-untyped]
 
                     ctl = ThreadpoolController().select(user_api="blas")
                     _state["controller"] = ctl if len(ctl.lib_controllers) else None
@@ -50,7 +51,8 @@ def _pool(workers: int) -> ThreadPoolExecutor:
             _state["pool"] = ThreadPoolExecutor(max_workers=workers,
                                                 thread_name_prefix="manyheads-gemm")
             _state["workers"] = workers
-        return _state["pool"]
+        pool: ThreadPoolExecutor = _state["pool"]
+        return pool
 
 
 @contextmanager
@@ -69,7 +71,8 @@ def matmul(a: np.ndarray, w: np.ndarray, num_threads: int, split: bool) -> np.nd
     rows = int(np.prod(a.shape[:-1], dtype=np.int64))
     chunks = min(num_threads, rows // _MIN_ROWS_PER_CHUNK) if split else 1
     if chunks <= 1:
-        return a @ w
+        product: np.ndarray = a @ w
+        return product
     a2 = a.reshape(rows, a.shape[-1])
     out = np.empty((rows, w.shape[1]), dtype=np.result_type(a, w))
     bounds = np.linspace(0, rows, chunks + 1).astype(int)

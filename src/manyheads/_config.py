@@ -7,12 +7,21 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
+from typing import TypedDict
 
 from . import _kernels
 
 ISA_ORDER = ("avx512", "avx2", "baseline")  # best first
 
-_state: dict[str, object] = {"num_threads": None, "isa": None, "isa_forced": False}
+
+class _State(TypedDict):
+    num_threads: int | None
+    isa: str | None
+    isa_forced: bool
+
+
+_state: _State = {"num_threads": None, "isa": None, "isa_forced": False}
 
 
 def _choose_isa() -> str:
@@ -55,7 +64,7 @@ def set_num_threads(n: int | None) -> None:
     if n is None:
         _state["num_threads"] = None
         return
-    _state["num_threads"] = check_num_threads(n, "n")
+    _state["num_threads"] = min(check_num_threads(n, "n"), max_threads())
 
 
 def get_num_threads() -> int:
@@ -76,11 +85,44 @@ def check_num_threads(n: object, name: str = "num_threads") -> int:
     return int(n)
 
 
+def max_threads() -> int:
+    """Cap on any thread request: 4 per core (beyond that threads only cost)."""
+    return 4 * (os.cpu_count() or 1)
+
+
 def resolve_num_threads(n: object) -> int:
     if n is None:
-        return get_num_threads()
+        return min(get_num_threads(), max_threads())
     n = check_num_threads(n)
-    return n if _kernels.openmp_enabled() else 1
+    return min(n, max_threads()) if _kernels.openmp_enabled() else 1
+
+
+_active = {"calls": 0}
+_active_lock = threading.Lock()
+
+
+def threads_for_call(requested: int, active_calls: int) -> int:
+    """Threads one of ``active_calls`` simultaneous kernel calls gets from a budget of ``requested``."""
+    return max(1, requested // max(1, active_calls))
+
+
+class kernel_call:
+    """Context manager around one kernel call: counts concurrent calls from Python threads
+    so that together they use about ``requested`` threads instead of that many each."""
+
+    def __init__(self, requested: int) -> None:
+        self.requested = requested
+        self.threads = requested
+
+    def __enter__(self) -> "kernel_call":
+        with _active_lock:
+            _active["calls"] += 1
+            self.threads = threads_for_call(self.requested, _active["calls"])
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        with _active_lock:
+            _active["calls"] -= 1
 
 
 def config() -> dict[str, object]:

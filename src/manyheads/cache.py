@@ -19,7 +19,8 @@ that call a module at the same time (see the README's guarantees).
 from __future__ import annotations
 
 import threading
-from typing import Any
+from contextlib import contextmanager
+from typing import Any, Iterator
 
 import numpy as np
 
@@ -61,9 +62,9 @@ class KVCache:
         self.window = None if window is None else int(window)
         self.capacity = self.max_len if self.window is None else min(self.max_len, self.window)
         shape = (self.batch_size, self.num_kv_heads, self.capacity, self.head_dim)
-        self.keys = np.zeros(shape, dtype=dt)
-        self.values = np.zeros(shape, dtype=dt)
-        self.padding = np.zeros((self.batch_size, self.capacity), dtype=bool)
+        self.keys: np.ndarray = np.zeros(shape, dtype=dt)
+        self.values: np.ndarray = np.zeros(shape, dtype=dt)
+        self.padding: np.ndarray = np.zeros((self.batch_size, self.capacity), dtype=bool)
         self._len = 0
         self._any_padding = False
         self._busy = threading.Lock()
@@ -169,3 +170,18 @@ class KVCache:
         self._len += new_tokens
         if pad_new is not None and pad_new.any():
             self._any_padding = True
+
+
+@contextmanager
+def in_use(cache: Any) -> Iterator[None]:
+    """Hold ``cache`` for one module call; a second concurrent user gets RuntimeError."""
+    if not isinstance(cache, KVCache):
+        yield
+        return
+    if not cache._busy.acquire(blocking=False):
+        raise RuntimeError("KVCache is in use by another call: a cache belongs to one decoding "
+                           "stream (give each thread its own cache)")
+    try:
+        yield
+    finally:
+        cache._busy.release()

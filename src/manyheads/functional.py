@@ -89,19 +89,19 @@ def _check_scale(scale: Any, head_dim: int) -> float:
         return 1.0 / math.sqrt(head_dim)
     if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
         raise TypeError(f"scale must be a real number or None, got {type(scale).__name__}")
-    scale = float(scale)
-    if not math.isfinite(scale):
-        raise ValueError(f"scale must be finite, got {scale}")
-    return scale
+    value = float(scale)
+    if not math.isfinite(value):
+        raise ValueError(f"scale must be finite, got {value}")
+    return value
 
 
 def _check_dropout(p: Any, name: str = "dropout_p") -> float:
     if isinstance(p, bool) or not isinstance(p, numbers.Real):
         raise TypeError(f"{name} must be a float in [0, 1], got {type(p).__name__}")
-    p = float(p)
-    if not (0.0 <= p <= 1.0):
-        raise ValueError(f"{name} must be in [0, 1], got {p}")
-    return p
+    value = float(p)
+    if not (0.0 <= value <= 1.0):
+        raise ValueError(f"{name} must be in [0, 1], got {value}")
+    return value
 
 
 def _seed_value(seed: Any) -> int:
@@ -315,16 +315,17 @@ def _attention(
     if split is None:
         split = L <= _kernels.DOT_ROWS and S >= 2 * _SPLIT_KEYS
     split = bool(split) and weights is None and dropout_p == 0 and L <= _kernels.BLOCK_Q
-    _kernels.attention_forward(
-        qv, _offsets(qv, nb), _row_stride(qv, -2),
-        kv, _offsets(kv, n_kv_batch), _row_stride(kv, -2),
-        vv, _offsets(vv, n_kv_batch), _row_stride(vv, -2),
-        out, _offsets(out, nb), _row_stride(out, -2),
-        mask_kind, mask_arr, mask_off, mask_row, mask_col,
-        L, S, E, Ev,
-        causal_offset is not None, 0 if causal_offset is None else int(causal_offset),
-        0 if window is None else int(window), kv_half,
-        float(scale), float(dropout_p), int(seed), weights,
-        _SPLIT_KEYS if split else 0, int(num_threads),
-    )
+    with _config.kernel_call(int(num_threads)) as call:
+        _kernels.attention_forward(
+            qv, _offsets(qv, nb), _row_stride(qv, -2),
+            kv, _offsets(kv, n_kv_batch), _row_stride(kv, -2),
+            vv, _offsets(vv, n_kv_batch), _row_stride(vv, -2),
+            out, _offsets(out, nb), _row_stride(out, -2),
+            mask_kind, mask_arr, mask_off, mask_row, mask_col,
+            L, S, E, Ev,
+            causal_offset is not None, 0 if causal_offset is None else int(causal_offset),
+            0 if window is None else int(window), kv_half,
+            float(scale), float(dropout_p), int(seed), weights,
+            _SPLIT_KEYS if split else 0, call.threads,
+        )
     return (out, weights) if return_weights else out

@@ -17,9 +17,12 @@ uses ``x @ W`` with W of shape (in, out), so weights are transposed on import.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypedDict, cast
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from .modules import MultiHeadAttention
 
 SUPPORTED = (
     "torch.nn.MultiheadAttention, the book's MultiHeadAttention (W_query/W_key/W_value/"
@@ -110,7 +113,7 @@ def fused_weights(m: Any, dtype: Any = np.float32) -> dict[str, Any]:
     def cat(i: int, bias: bool) -> Any:
         if bias:
             bs = [p[i][1] for p in parts]
-            return None if bs[0] is None else np.concatenate(bs)
+            return None if bs[0] is None else np.concatenate(cast("list[np.ndarray]", bs))
         return np.concatenate([p[i][0] for p in parts], axis=1)
 
     drop = getattr(getattr(m.heads[0], "dropout", None), "p", 0.0)
@@ -129,6 +132,16 @@ def context_length_of(m: Any, default: int = 1024) -> int:
     if cfg is not None and getattr(cfg, "n_positions", None):
         return int(cfg.n_positions)
     return default
+
+
+class _Block(TypedDict):
+    """One transformer block of :class:`GPT2`: LayerNorm (weight, bias) pairs, attention, MLP."""
+
+    ln1: tuple[np.ndarray, np.ndarray]
+    attn: MultiHeadAttention
+    ln2: tuple[np.ndarray, np.ndarray]
+    fc: tuple[np.ndarray, np.ndarray]
+    proj: tuple[np.ndarray, np.ndarray]
 
 
 class GPT2:
@@ -156,7 +169,7 @@ class GPT2:
         self.wpe = _np(tr.wpe.weight, f32)
         lm_head = getattr(model, "lm_head", None)
         self.head = self.wte.T.copy() if lm_head is None else _np(lm_head.weight, f32).T.copy()
-        self.blocks = []
+        self.blocks: list[_Block] = []
         for blk in tr.h:
             self.blocks.append({
                 "ln1": (_np(blk.ln_1.weight, f32), _np(blk.ln_1.bias, f32)),
@@ -170,11 +183,14 @@ class GPT2:
     def _ln(self, x: np.ndarray, p: tuple[np.ndarray, np.ndarray]) -> np.ndarray:
         mu = x.mean(-1, keepdims=True)
         var = ((x - mu) ** 2).mean(-1, keepdims=True)
-        return (x - mu) / np.sqrt(var + self.eps) * p[0] + p[1]
+        y: np.ndarray = (x - mu) / np.sqrt(var + self.eps) * p[0] + p[1]
+        return y
 
     @staticmethod
     def _gelu(x: np.ndarray) -> np.ndarray:
-        return 0.5 * x * (1.0 + np.tanh(np.float32(0.7978845608028654) * (x + 0.044715 * x**3)))
+        y: np.ndarray = 0.5 * x * (1.0 + np.tanh(np.float32(0.7978845608028654)
+                                                 * (x + 0.044715 * x**3)))
+        return y
 
     def new_caches(self, batch_size: int, max_len: int) -> list[Any]:
         return [b["attn"].new_cache(batch_size, max_len) for b in self.blocks]
@@ -188,7 +204,8 @@ class GPT2:
             x = x + h
             m = self._gelu(self._ln(x, b["ln2"]) @ b["fc"][0] + b["fc"][1])
             x = x + (m @ b["proj"][0] + b["proj"][1])
-        return self._ln(x, self.ln_f) @ self.head
+        out: np.ndarray = self._ln(x, self.ln_f) @ self.head
+        return out
 
     def generate(self, prompt: Any, n: int) -> list[int]:
         """Greedy decoding of n tokens after the prompt, with the KV cache."""

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from . import _blas, _config
-from .cache import KVCache
+from .cache import KVCache, in_use
 from .functional import SUPPORTED_DTYPES, _attention, _check_dropout, _seed_value
 
 __all__ = ["CausalAttention", "StackedMultiHeadAttention", "MultiHeadAttention"]
@@ -38,7 +38,7 @@ def _check_window(window: Any) -> int | None:
 
 
 def _check_dtype(dtype: Any) -> np.dtype:
-    dt = np.dtype(dtype)
+    dt: np.dtype = np.dtype(dtype)
     if dt not in SUPPORTED_DTYPES:
         raise TypeError(f"dtype must be float32 or float64, got {dt}")
     return dt
@@ -215,12 +215,13 @@ class CausalAttention(_Module):
         xb, single = self._prepare_input(x)
         B, T, _ = xb.shape
         pad = self._check_padding(key_padding_mask, B, T)
-        self._check_cache(cache, B, T, 1, self.d_out)
-        p, seed = self._dropout_for_call(training)
-        nt = _config.resolve_num_threads(num_threads)
-        res = self._run(xb, pad, cache, slice(None), p, seed, return_weights, nt)
-        if cache is not None:
-            cache._commit(T, pad)
+        with in_use(cache):
+            self._check_cache(cache, B, T, 1, self.d_out)
+            p, seed = self._dropout_for_call(training)
+            nt = _config.resolve_num_threads(num_threads)
+            res = self._run(xb, pad, cache, slice(None), p, seed, return_weights, nt)
+            if cache is not None:
+                cache._commit(T, pad)
         if return_weights:
             out, w = res[0][:, 0], res[1][:, 0]
             return (out[0], w[0]) if single else (out, w)
@@ -319,6 +320,14 @@ class StackedMultiHeadAttention(_Module):
         xb, single = self._prepare_input(x)
         B, T, _ = xb.shape
         pad = self._check_padding(key_padding_mask, B, T)
+        with in_use(cache):
+            return self._call_locked(xb, single, pad, cache, return_weights, training,
+                                     num_threads)
+
+    def _call_locked(self, xb: np.ndarray, single: bool, pad: np.ndarray | None,
+                     cache: KVCache | None, return_weights: bool, training: bool,
+                     num_threads: int | None) -> Any:
+        B, T, _ = xb.shape
         self._check_cache(cache, B, T, self.num_heads, self.head_dim)
         nt = _config.resolve_num_threads(num_threads)
         self._dropout_for_call(training)  # checks the flag; each head draws its own stream
@@ -372,6 +381,8 @@ class StackedMultiHeadAttention(_Module):
             head.W_query[...], head.W_key[...], head.W_value[...] = (
                 w["W_q"][:, c], w["W_k"][:, c], w["W_v"][:, c])
             if qkv_bias:
+                assert (head.b_query is not None and head.b_key is not None
+                        and head.b_value is not None)  # heads of a qkv_bias stack have biases
                 head.b_query[...], head.b_key[...], head.b_value[...] = (
                     w["b_q"][c], w["b_k"][c], w["b_v"][c])
         if st.W_out is not None:
@@ -570,13 +581,14 @@ class MultiHeadAttention(_Module):
         xb, single = self._prepare_input(x)
         B, T, _ = xb.shape
         pad = self._check_padding(key_padding_mask, B, T)
-        self._check_cache(cache, B, T, self.num_kv_heads, self.head_dim)
-        p, seed = self._dropout_for_call(training)
-        nt = _config.resolve_num_threads(num_threads)
-        with _blas.single_threaded_blas() as split:
-            y, w = self._forward(xb, pad, cache, p, seed, return_weights, nt, split)
-        if cache is not None:
-            cache._commit(T, pad)
+        with in_use(cache):
+            self._check_cache(cache, B, T, self.num_kv_heads, self.head_dim)
+            p, seed = self._dropout_for_call(training)
+            nt = _config.resolve_num_threads(num_threads)
+            with _blas.single_threaded_blas() as split:
+                y, w = self._forward(xb, pad, cache, p, seed, return_weights, nt, split)
+            if cache is not None:
+                cache._commit(T, pad)
         if single:
             y = y[0]
             w = None if w is None else w[0]
@@ -638,9 +650,12 @@ class MultiHeadAttention(_Module):
         meta = np.array([self.FORMAT_VERSION, self.d_in, self.d_out, self.context_length,
                          self.num_heads, self.num_kv_heads, -1 if self.window is None
                          else self.window], dtype=np.int64)
-        arrays = {"meta": meta, "dropout": np.array(self.dropout),
-                  "scale": np.array(np.nan if self.scale is None else self.scale),
-                  "W_qkv": self.W_qkv, "W_out": self.W_out, "b_out": self.b_out}
+        # values typed Any: np.savez's stub would match a str-keyed **dict against its
+        # `allow_pickle: bool` parameter as well as against the arrays (**kwds)
+        arrays: dict[str, Any] = {
+            "meta": meta, "dropout": np.array(self.dropout),
+            "scale": np.array(np.nan if self.scale is None else self.scale),
+            "W_qkv": self.W_qkv, "W_out": self.W_out, "b_out": self.b_out}
         if self.b_qkv is not None:
             arrays["b_qkv"] = self.b_qkv
         np.savez(path, **arrays)

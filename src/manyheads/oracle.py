@@ -28,6 +28,8 @@ def softmax(scores: np.ndarray) -> np.ndarray:
 
     A row whose entries are all -inf (every key masked) becomes all zeros.
     """
+    if scores.shape[-1] == 0:  # no keys at all: nothing to weigh
+        return np.zeros_like(scores)
     row_max = np.max(scores, axis=-1, keepdims=True)
     # a fully masked row has max -inf; subtract 0 instead so exp gives zeros
     row_max = np.where(np.isneginf(row_max), 0, row_max)
@@ -90,7 +92,11 @@ def causal_attention_head(
 
 def stacked_multi_head_attention(
     x: np.ndarray,
-    heads: Sequence[tuple[np.ndarray, ...]],
+    heads: Sequence[
+        tuple[np.ndarray, ...]
+        | tuple[np.ndarray, np.ndarray, np.ndarray,
+                np.ndarray | None, np.ndarray | None, np.ndarray | None]
+    ],
     W_out: np.ndarray | None = None,
     b_out: np.ndarray | None = None,
     *,
@@ -128,7 +134,7 @@ def dropout_keep_mask(
         z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
         z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
         z = z ^ (z >> np.uint64(31))
-    u = (z >> np.uint64(40)).astype(np.float64) / 16777216.0
+    u: np.ndarray = (z >> np.uint64(40)).astype(np.float64) / 16777216.0
     return (u >= p).reshape(shape)
 
 
@@ -179,5 +185,11 @@ def scaled_dot_product_attention(
         keep = dropout_keep_mask(seed, weights.shape, dropout_p)
         factor = 0.0 if dropout_p >= 1 else 1.0 / (1.0 - dropout_p)
         weights = np.where(keep, weights * np.asarray(factor, weights.dtype), 0)
-    out = weights @ value
+    if np.isfinite(value).all():
+        out = weights @ value
+    else:
+        # a masked key contributes nothing, even a NaN or inf value (0 * NaN would be NaN)
+        hidden = np.isneginf(scores)
+        terms = weights[..., :, :, None] * value[..., None, :, :]
+        out = np.where(hidden[..., None], 0, terms).sum(axis=-2)
     return (out, weights) if return_weights else out

