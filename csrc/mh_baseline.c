@@ -1,14 +1,74 @@
 /*
- * Portable baseline instantiation of the attention kernels: plain C99 on a
- * 4-lane struct "vector" that compilers map onto whatever the target's
- * baseline SIMD is (SSE2 on x86-64, NEON on aarch64), or scalar code.
+ * Portable baseline instantiation of the attention kernels: plain C on a
+ * 4-lane vector (GCC/Clang vector extensions, which become SSE2 on x86-64 and
+ * NEON on aarch64; a struct with lane loops elsewhere).
  * Compiled with no ISA flags; runs on every CPU the wheel supports.
  */
 #include <math.h>
+#include <stdint.h>
 #include "mh_kernels.h"
 
+/* exp(x) in plain arithmetic (no libm call, so the lane loop vectorises):
+   x = n ln2 + r, degree-6 minimax polynomial for e^r, 2^n built in the
+   exponent bits.  Below ln(FLT_MIN) gives 0, above ln(FLT_MAX) inf; NaN stays NaN. */
+static inline float mh_expf_poly(float x)
+{
+    const float lo = -87.33654f, hi = 88.7228f;
+    float xc = x < lo ? lo : (x > hi ? hi : x); /* NaN compares false: stays NaN */
+    float t = xc * 1.44269504088896341f + 12582912.0f;
+    float n = t - 12582912.0f;
+    float r = xc - n * 0.693359375f;
+    r = r - n * -2.12194440e-4f;
+    float p = 1.3836845755577087e-3f;
+    p = p * r + 8.374815806746483e-3f;
+    p = p * r + 4.166822507977486e-2f;
+    p = p * r + 1.6666419804096222e-1f;
+    p = p * r + 4.9999991059303284e-1f;
+    p = p * r + 1.0f;
+    p = p * r + 1.0f;
+    union { float f; int32_t i; } u, e;
+    u.f = t;
+    e.i = (int32_t)(((uint32_t)u.i + 127u) << 23);
+    float y = p * e.f;
+    return x < lo ? 0.0f : (x > hi ? (float)INFINITY : y);
+}
+
+#if (defined(__GNUC__) || defined(__clang__)) && !defined(MH_BASELINE_STRUCT)
+/* GCC/Clang vector extensions: 4 lanes the compiler maps onto SSE2 or NEON. */
+typedef float mh_v4f __attribute__((vector_size(16)));
+typedef double mh_v4d __attribute__((vector_size(16))); /* 2 lanes despite the name */
+typedef int32_t mh_v4i __attribute__((vector_size(16)));
+typedef int64_t mh_v4l __attribute__((vector_size(16)));
+#define MH_LANE(v, l) ((v)[l])
+
+static inline mh_v4f v4f_add(mh_v4f a, mh_v4f b) { return a + b; }
+static inline mh_v4f v4f_sub(mh_v4f a, mh_v4f b) { return a - b; }
+static inline mh_v4f v4f_mul(mh_v4f a, mh_v4f b) { return a * b; }
+static inline mh_v4d v4d_add(mh_v4d a, mh_v4d b) { return a + b; }
+static inline mh_v4d v4d_sub(mh_v4d a, mh_v4d b) { return a - b; }
+static inline mh_v4d v4d_mul(mh_v4d a, mh_v4d b) { return a * b; }
+/* max returns b where a > b is false, so a NaN in b is kept (as the x86 paths do) */
+static inline mh_v4f v4f_max(mh_v4f a, mh_v4f b)
+{
+    mh_v4i m = a > b;
+    return (mh_v4f)((m & (mh_v4i)a) | (~m & (mh_v4i)b));
+}
+static inline mh_v4d v4d_max(mh_v4d a, mh_v4d b)
+{
+    mh_v4l m = a > b;
+    return (mh_v4d)((m & (mh_v4l)a) | (~m & (mh_v4l)b));
+}
+static inline mh_v4f v4f_set1(float s) { return (mh_v4f){s, s, s, s}; }
+static inline mh_v4d v4d_set1(double s) { return (mh_v4d){s, s}; }
+static inline mh_v4f v4f_load(const float *p) { mh_v4f r; __builtin_memcpy(&r, p, sizeof r); return r; }
+static inline mh_v4d v4d_load(const double *p) { mh_v4d r; __builtin_memcpy(&r, p, sizeof r); return r; }
+static inline void v4f_store(float *p, mh_v4f v) { __builtin_memcpy(p, &v, sizeof v); }
+static inline void v4d_store(double *p, mh_v4d v) { __builtin_memcpy(p, &v, sizeof v); }
+#else
+/* Other compilers: a 4-lane struct and lane loops. */
 typedef struct { float x[4]; } mh_v4f;
-typedef struct { double x[4]; } mh_v4d;
+typedef struct { double x[2]; } mh_v4d; /* 2 lanes despite the name */
+#define MH_LANE(v, l) ((v).x[l])
 
 #define MH_LANEWISE(VT, name, expr)                                 \
     static inline VT name(VT a, VT b)                               \
@@ -17,39 +77,43 @@ typedef struct { double x[4]; } mh_v4d;
         for (int l = 0; l < 4; ++l) r.x[l] = (expr);                \
         return r;                                                   \
     }
-
-/* max keeps b when a lane is NaN-vs-number, like the x86 instructions do
-   with operands swapped: a NaN in `b` is returned. */
+#define MH_LANEWISE2(VT, name, expr)                                \
+    static inline VT name(VT a, VT b)                               \
+    {                                                               \
+        VT r;                                                       \
+        for (int l = 0; l < 2; ++l) r.x[l] = (expr);                \
+        return r;                                                   \
+    }
 MH_LANEWISE(mh_v4f, v4f_add, a.x[l] + b.x[l])
 MH_LANEWISE(mh_v4f, v4f_sub, a.x[l] - b.x[l])
 MH_LANEWISE(mh_v4f, v4f_mul, a.x[l] * b.x[l])
 MH_LANEWISE(mh_v4f, v4f_max, a.x[l] > b.x[l] ? a.x[l] : b.x[l])
-MH_LANEWISE(mh_v4d, v4d_add, a.x[l] + b.x[l])
-MH_LANEWISE(mh_v4d, v4d_sub, a.x[l] - b.x[l])
-MH_LANEWISE(mh_v4d, v4d_mul, a.x[l] * b.x[l])
-MH_LANEWISE(mh_v4d, v4d_max, a.x[l] > b.x[l] ? a.x[l] : b.x[l])
+MH_LANEWISE2(mh_v4d, v4d_add, a.x[l] + b.x[l])
+MH_LANEWISE2(mh_v4d, v4d_sub, a.x[l] - b.x[l])
+MH_LANEWISE2(mh_v4d, v4d_mul, a.x[l] * b.x[l])
+MH_LANEWISE2(mh_v4d, v4d_max, a.x[l] > b.x[l] ? a.x[l] : b.x[l])
+static inline mh_v4f v4f_set1(float s) { mh_v4f r = {{s, s, s, s}}; return r; }
+static inline mh_v4d v4d_set1(double s) { mh_v4d r = {{s, s}}; return r; }
+static inline mh_v4f v4f_load(const float *p) { mh_v4f r = {{p[0], p[1], p[2], p[3]}}; return r; }
+static inline mh_v4d v4d_load(const double *p) { mh_v4d r = {{p[0], p[1]}}; return r; }
+static inline void v4f_store(float *p, mh_v4f v) { for (int l = 0; l < 4; ++l) p[l] = v.x[l]; }
+static inline void v4d_store(double *p, mh_v4d v) { for (int l = 0; l < 2; ++l) p[l] = v.x[l]; }
+#endif
 
-#define MH_UNARY(VT, ST, name, expr)                                \
+#define MH_UNARY(VT, ST, N, name, expr)                             \
     static inline VT name(VT a)                                     \
     {                                                               \
         VT r;                                                       \
-        for (int l = 0; l < 4; ++l) {                               \
-            ST t = a.x[l];                                          \
-            r.x[l] = (expr);                                        \
+        for (int l = 0; l < (N); ++l) {                             \
+            ST t = MH_LANE(a, l);                                   \
+            MH_LANE(r, l) = (expr);                                 \
         }                                                           \
         return r;                                                   \
     }
-MH_UNARY(mh_v4f, float, v4f_exp, expf(t))
-MH_UNARY(mh_v4f, float, v4f_ninf0, t == -INFINITY ? 0.0f : t)
-MH_UNARY(mh_v4d, double, v4d_exp, exp(t))
-MH_UNARY(mh_v4d, double, v4d_ninf0, t == -INFINITY ? 0.0 : t)
-
-static inline mh_v4f v4f_set1(float s) { mh_v4f r = {{s, s, s, s}}; return r; }
-static inline mh_v4d v4d_set1(double s) { mh_v4d r = {{s, s, s, s}}; return r; }
-static inline mh_v4f v4f_load(const float *p) { mh_v4f r = {{p[0], p[1], p[2], p[3]}}; return r; }
-static inline mh_v4d v4d_load(const double *p) { mh_v4d r = {{p[0], p[1], p[2], p[3]}}; return r; }
-static inline void v4f_store(float *p, mh_v4f v) { for (int l = 0; l < 4; ++l) p[l] = v.x[l]; }
-static inline void v4d_store(double *p, mh_v4d v) { for (int l = 0; l < 4; ++l) p[l] = v.x[l]; }
+MH_UNARY(mh_v4f, float, 4, v4f_exp, mh_expf_poly(t))
+MH_UNARY(mh_v4f, float, 4, v4f_ninf0, t == -INFINITY ? 0.0f : t)
+MH_UNARY(mh_v4d, double, 2, v4d_exp, exp(t))
+MH_UNARY(mh_v4d, double, 2, v4d_ninf0, t == -INFINITY ? 0.0 : t)
 
 /* ---------------------------------------------------------------- float32 */
 #define T float
@@ -71,13 +135,13 @@ static inline void v4d_store(double *p, mh_v4d v) { for (int l = 0; l < 4; ++l) 
 #define V_FMA(a, b, c) v4f_add(v4f_mul((a), (b)), (c))
 #define V_EXP(x) v4f_exp(x)
 #define V_NEG_INF_TO_ZERO(x) v4f_ninf0(x)
-#define V_HSUM(v) (((v).x[0] + (v).x[1]) + ((v).x[2] + (v).x[3]))
+#define V_HSUM(v) ((MH_LANE(v, 0) + MH_LANE(v, 1)) + (MH_LANE(v, 2) + MH_LANE(v, 3)))
 #include "mh_attention_impl.h"
 
 /* ---------------------------------------------------------------- float64 */
 #define T double
 #define V mh_v4d
-#define VW 4
+#define VW 2
 #define NVQ 2
 #define JR 4
 #define NVO 2
@@ -94,7 +158,7 @@ static inline void v4d_store(double *p, mh_v4d v) { for (int l = 0; l < 4; ++l) 
 #define V_FMA(a, b, c) v4d_add(v4d_mul((a), (b)), (c))
 #define V_EXP(x) v4d_exp(x)
 #define V_NEG_INF_TO_ZERO(x) v4d_ninf0(x)
-#define V_HSUM(v) (((v).x[0] + (v).x[1]) + ((v).x[2] + (v).x[3]))
+#define V_HSUM(v) (MH_LANE(v, 0) + MH_LANE(v, 1))
 #include "mh_attention_impl.h"
 
 const mh_kernel_table mh_table_baseline = {
