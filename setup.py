@@ -79,7 +79,9 @@ class BuildExt(build_ext):
             with open(src, "w") as fh:
                 fh.write(code)
             objs = self.compiler.compile([src], output_dir=tmp, extra_postargs=cflags)
-            self.compiler.link_executable(objs, "omp_check", output_dir=tmp, extra_postargs=ldflags)
+            env_ldflags = os.environ.get("LDFLAGS", "").split()  # e.g. sanitizer runtimes
+            self.compiler.link_executable(objs, "omp_check", output_dir=tmp,
+                                          extra_postargs=ldflags + env_ldflags)
             return True
         except Exception:
             return False

@@ -201,3 +201,16 @@ def test_inputs_are_not_modified(rng):
     mh.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=0.2, seed=3)
     for a, c in zip((q, k, v), copies):
         np.testing.assert_array_equal(a, c)
+
+
+def test_misaligned_buffers_are_copied_before_the_kernels_read_them(rng):
+    from manyheads.functional import _kernel_ready
+
+    buf = bytearray(4 * 2 * 40 * 16 + 1)
+    q = np.frombuffer(buf, dtype=np.float32, count=2 * 40 * 16, offset=1).reshape(2, 40, 16)
+    q[...] = rng.standard_normal(q.shape)
+    assert not q.flags.aligned
+    ready = _kernel_ready(q)
+    assert ready.flags.aligned and ready.flags.c_contiguous
+    out = mh.scaled_dot_product_attention(q, q, q, is_causal=True)
+    np.testing.assert_allclose(out, reference(q, q, q, is_causal=True), rtol=0, atol=1e-5)

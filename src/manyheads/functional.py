@@ -56,7 +56,8 @@ def _kernel_ready(arr: np.ndarray, contiguous_rows: bool = True) -> np.ndarray:
     ok = arr.flags.aligned and not any(s % item for s in arr.strides)
     if ok and contiguous_rows and arr.ndim and arr.shape[-1] > 1 and arr.strides[-1] != item:
         ok = False
-    return arr if ok else np.ascontiguousarray(arr)
+    # a fresh copy: ascontiguousarray would hand back a contiguous but misaligned array
+    return arr if ok else np.array(arr, order="C", copy=True)
 
 
 def _offsets(view: np.ndarray, n_batch_dims: int) -> np.ndarray:
