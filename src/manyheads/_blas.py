@@ -15,6 +15,7 @@ the process are single-threaded too.
 """
 from __future__ import annotations
 
+import math
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
@@ -56,8 +57,15 @@ def _pool(workers: int) -> ThreadPoolExecutor:
 
 
 @contextmanager
-def single_threaded_blas() -> Iterator[bool]:
-    """Limit the BLAS to one thread for the duration; yields whether a limit is in force."""
+def single_threaded_blas(rows: int | None = None) -> Iterator[bool]:
+    """Limit the BLAS to one thread for the duration; yields whether a limit is in force.
+
+    With ``rows`` below two chunks there is nothing to split and BLAS runs such
+    small products on one thread anyway, so no limit is set (it costs ~10 us).
+    """
+    if rows is not None and rows < 2 * _MIN_ROWS_PER_CHUNK:
+        yield False
+        return
     ctl = _controller()
     if ctl is None:
         yield False
@@ -68,7 +76,7 @@ def single_threaded_blas() -> Iterator[bool]:
 
 def matmul(a: np.ndarray, w: np.ndarray, num_threads: int, split: bool) -> np.ndarray:
     """``a @ w`` for a of shape (..., k): row chunks on ``num_threads`` threads when ``split``."""
-    rows = int(np.prod(a.shape[:-1], dtype=np.int64))
+    rows = math.prod(a.shape[:-1])
     chunks = min(num_threads, rows // _MIN_ROWS_PER_CHUNK) if split else 1
     if chunks <= 1:
         product: np.ndarray = a @ w

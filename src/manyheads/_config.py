@@ -85,9 +85,12 @@ def check_num_threads(n: object, name: str = "num_threads") -> int:
     return int(n)
 
 
+_CPUS = os.cpu_count() or 1
+
+
 def max_threads() -> int:
     """Cap on any thread request: 4 per core (beyond that threads only cost)."""
-    return 4 * (os.cpu_count() or 1)
+    return 4 * _CPUS
 
 
 def resolve_num_threads(n: object) -> int:

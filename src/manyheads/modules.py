@@ -231,7 +231,7 @@ class CausalAttention(_Module):
     def _run(self, xb: np.ndarray, pad: np.ndarray | None, cache: KVCache | None,
              heads: slice, p: float, seed: int, return_weights: bool, nt: int) -> Any:
         """(B, 1, T, d_out) context (and weights) of checked input; the cache is not committed."""
-        with _blas.single_threaded_blas() as split:
+        with _blas.single_threaded_blas(xb.shape[0] * xb.shape[1]) as split:
             q = self._project(xb, self.W_query, self.b_query, nt, split)[:, None]
             k = self._project(xb, self.W_key, self.b_key, nt, split)[:, None]
             v = self._project(xb, self.W_value, self.b_value, nt, split)[:, None]
@@ -331,7 +331,7 @@ class StackedMultiHeadAttention(_Module):
         self._check_cache(cache, B, T, self.num_heads, self.head_dim)
         nt = _config.resolve_num_threads(num_threads)
         self._dropout_for_call(training)  # checks the flag; each head draws its own stream
-        with _blas.single_threaded_blas() as split:
+        with _blas.single_threaded_blas(B * T) as split:
             results = []
             for h, head in enumerate(self.heads):
                 hp, seed = head._dropout_for_call(training)
@@ -585,7 +585,7 @@ class MultiHeadAttention(_Module):
             self._check_cache(cache, B, T, self.num_kv_heads, self.head_dim)
             p, seed = self._dropout_for_call(training)
             nt = _config.resolve_num_threads(num_threads)
-            with _blas.single_threaded_blas() as split:
+            with _blas.single_threaded_blas(B * T) as split:
                 y, w = self._forward(xb, pad, cache, p, seed, return_weights, nt, split)
             if cache is not None:
                 cache._commit(T, pad)
