@@ -225,6 +225,46 @@ static void FN(load_rows)(const mh_attn_args *a, const void *base, int64_t off, 
     }
 }
 
+/* The user mask of rows [q0, q0+nq) and keys [k0, k0+nk), applied to scores
+   s[i * row_step + j * key_step] (boolean: -inf where not allowed; float: added).
+   The tile layout is key-major (row_step 1, key_step BQ), the few-rows layout
+   row-major (row_step BK, key_step 1). */
+static void FN(apply_user_mask)(const mh_attn_args *a, int64_t bh, int64_t q0, int64_t nq,
+                                int64_t k0, int64_t nk, T *s, int64_t row_step,
+                                int64_t key_step)
+{
+    if (a->mask_kind == MH_MASK_BOOL) {
+        const unsigned char *m = (const unsigned char *)a->mask + a->mask_off[bh];
+        for (int64_t i = 0; i < nq; ++i)
+            for (int64_t j = 0; j < nk; ++j)
+                if (!m[(q0 + i) * a->mask_row + (k0 + j) * a->mask_col])
+                    s[i * row_step + j * key_step] = (T)(-INFINITY);
+    } else if (a->mask_kind == MH_MASK_ADD) {
+        const T *m = (const T *)a->mask + a->mask_off[bh];
+        for (int64_t i = 0; i < nq; ++i)
+            for (int64_t j = 0; j < nk; ++j)
+                s[i * row_step + j * key_step] += m[(q0 + i) * a->mask_row + (k0 + j) * a->mask_col];
+    }
+}
+
+/* Multiply probabilities p[i * row_step + j * key_step] by the dropout keep
+   mask / (1 - p) (layouts as in apply_user_mask). */
+static void FN(apply_dropout)(const mh_attn_args *a, int64_t bh, int64_t q0, int64_t nq,
+                              int64_t k0, int64_t nk, T *s, int64_t row_step, int64_t key_step)
+{
+    const double p = a->dropout_p;
+    const T keep_scale = p >= 1.0 ? (T)0 : (T)(1.0 / (1.0 - p));
+    for (int64_t i = 0; i < nq; ++i)
+        for (int64_t j = 0; j < nk; ++j) {
+            uint64_t bits = mh_dropout_bits(a->seed, (uint64_t)bh, (uint64_t)(q0 + i),
+                                            (uint64_t)(k0 + j), (uint64_t)a->q_len,
+                                            (uint64_t)a->kv_len);
+            double u = (double)(bits >> 40) * (1.0 / 16777216.0);
+            T *e = s + i * row_step + j * key_step;
+            *e = u >= p ? *e * keep_scale : (T)0;
+        }
+}
+
 /* Scaled scores of keys [k0, k0+nk) for the work item's rows, with the causal
    triangle, the sliding window and the user mask applied (masked entries
    become -inf).  Loads the key block into kpack first. */
@@ -253,33 +293,7 @@ static void FN(masked_scores)(const mh_attn_args *a, int64_t bh, int64_t q0, int
             for (int64_t i = last; i < lanes; ++i) st[j * BQ + i] = neg_inf;
         }
     }
-    if (a->mask_kind == MH_MASK_BOOL) {
-        const unsigned char *m = (const unsigned char *)a->mask + a->mask_off[bh];
-        for (int64_t j = 0; j < nk; ++j)
-            for (int64_t i = 0; i < nq; ++i)
-                if (!m[(q0 + i) * a->mask_row + (k0 + j) * a->mask_col]) st[j * BQ + i] = neg_inf;
-    } else if (a->mask_kind == MH_MASK_ADD) {
-        const T *m = (const T *)a->mask + a->mask_off[bh];
-        for (int64_t j = 0; j < nk; ++j)
-            for (int64_t i = 0; i < nq; ++i)
-                st[j * BQ + i] += m[(q0 + i) * a->mask_row + (k0 + j) * a->mask_col];
-    }
-}
-
-/* Multiply probabilities by the dropout keep mask / (1 - p). */
-static void FN(apply_dropout)(const mh_attn_args *a, int64_t bh, int64_t q0, int64_t nq,
-                              int64_t k0, int64_t nk, T *st)
-{
-    const double p = a->dropout_p;
-    const T keep_scale = p >= 1.0 ? (T)0 : (T)(1.0 / (1.0 - p));
-    for (int64_t j = 0; j < nk; ++j)
-        for (int64_t i = 0; i < nq; ++i) {
-            uint64_t bits = mh_dropout_bits(a->seed, (uint64_t)bh, (uint64_t)(q0 + i),
-                                            (uint64_t)(k0 + j), (uint64_t)a->q_len,
-                                            (uint64_t)a->kv_len);
-            double u = (double)(bits >> 40) * (1.0 / 16777216.0);
-            st[j * BQ + i] = u >= p ? st[j * BQ + i] * keep_scale : (T)0;
-        }
+    FN(apply_user_mask)(a, bh, q0, nq, k0, nk, st, 1, BQ);
 }
 
 /* Keys any row of [q0, q0+nq) may see, intersected with [lo, hi): *begin, *end. */
@@ -425,6 +439,7 @@ static void FN(attend_few)(const mh_attn_args *a, int64_t bh, int64_t q0, int64_
             FN(load_rows)(a, a->k, a->k_off[bh], a->k_row, k0, nk, E, w->kpack, ep);
             FN(few_scores)(qp, ep, nq, w->kpack, ep, nk, nvk, s, 0);
         }
+        FN(apply_user_mask)(a, bh, q0, nq, k0, nk, s, BK, 1);
         for (int64_t i = 0; i < nq; ++i) {
             T *sr = s + i * BK;
             const int64_t row = q0 + i;
@@ -436,16 +451,6 @@ static void FN(attend_few)(const mh_attn_args *a, int64_t bh, int64_t q0, int64_
                     const int64_t lo = row + a->causal_offset - a->window - k0; /* j <= lo hidden */
                     for (int64_t j = 0; j <= lo && j < nk; ++j) sr[j] = neg_inf;
                 }
-            }
-            if (a->mask_kind == MH_MASK_BOOL) {
-                const unsigned char *m = (const unsigned char *)a->mask + a->mask_off[bh] +
-                                         row * a->mask_row + k0 * a->mask_col;
-                for (int64_t j = 0; j < nk; ++j)
-                    if (!m[j * a->mask_col]) sr[j] = neg_inf;
-            } else if (a->mask_kind == MH_MASK_ADD) {
-                const T *m = (const T *)a->mask + a->mask_off[bh] + row * a->mask_row +
-                             k0 * a->mask_col;
-                for (int64_t j = 0; j < nk; ++j) sr[j] += m[j * a->mask_col];
             }
             /* online softmax across this block's keys */
             V mv = V_LOAD(sr);
@@ -469,18 +474,7 @@ static void FN(attend_few)(const mh_attn_args *a, int64_t bh, int64_t q0, int64_
             w->row_sum[i] = w->row_sum[i] * lanes[0] + V_HSUM(sum);
             w->row_max[i] = m_new;
         }
-        if (a->dropout_p > 0) {
-            const double p = a->dropout_p;
-            const T keep_scale = p >= 1.0 ? (T)0 : (T)(1.0 / (1.0 - p));
-            for (int64_t i = 0; i < nq; ++i)
-                for (int64_t j = 0; j < nk; ++j) {
-                    uint64_t bits = mh_dropout_bits(a->seed, (uint64_t)bh, (uint64_t)(q0 + i),
-                                                    (uint64_t)(k0 + j), (uint64_t)a->q_len,
-                                                    (uint64_t)a->kv_len);
-                    double u = (double)(bits >> 40) * (1.0 / 16777216.0);
-                    s[i * BK + j] = u >= p ? s[i * BK + j] * keep_scale : (T)0;
-                }
-        }
+        if (a->dropout_p > 0) FN(apply_dropout)(a, bh, q0, nq, k0, nk, s, BK, 1);
         const void *vb;
         int64_t v_stride;
         int v_half = 0;
@@ -532,7 +526,8 @@ static void FN(attend)(const mh_attn_args *a, int64_t bh, int64_t q0, int64_t nq
         w->row_sum[i] = 0;
     }
     for (int64_t i = 0; i < nq * evp; ++i) w->acc[i] = 0;
-    for (int64_t i = 0; i < BK * evp; ++i) w->vpack[i] = 0; /* padding columns stay 0 */
+    if (nvv * VW > Ev) /* the last value vector reads padding columns: keep them 0 */
+        for (int64_t i = 0; i < BK * evp; ++i) w->vpack[i] = 0;
 
     int64_t k_begin, k_end;
     FN(key_range)(a, q0, nq, k_lo, k_hi, &k_begin, &k_end);
@@ -560,7 +555,7 @@ static void FN(attend)(const mh_attn_args *a, int64_t bh, int64_t q0, int64_t nq
             V_STORE(w->row_max + c * VW, m_new);
             V_STORE(w->alpha + c * VW, al);
         }
-        if (a->dropout_p > 0) FN(apply_dropout)(a, bh, q0, nq, k0, nk, st);
+        if (a->dropout_p > 0) FN(apply_dropout)(a, bh, q0, nq, k0, nk, st, 1, BQ);
 
         FN(load_rows)(a, a->v, a->v_off[bh], a->v_row, k0, nk, Ev, w->vpack, evp);
         FN(mix_values)(w->acc, evp, w->alpha, st, nk, nq, w->vpack, evp, nvv,
@@ -603,7 +598,7 @@ void FN(mh_fwd_item)(const mh_attn_args *a, int64_t bh, int64_t q0, void *scratc
                     V_STORE(s, V_MUL(V_EXP(V_SUB(V_LOAD(s), m_use)), inv));
                 }
             }
-            if (a->dropout_p > 0) FN(apply_dropout)(a, bh, q0, nq, k0, nk, w.st);
+            if (a->dropout_p > 0) FN(apply_dropout)(a, bh, q0, nq, k0, nk, w.st, 1, BQ);
             for (int64_t i = 0; i < nq; ++i)
                 for (int64_t j = 0; j < nk; ++j) wt[i * S + k0 + j] = w.st[j * BQ + i];
         }

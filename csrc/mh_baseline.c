@@ -1,7 +1,7 @@
 /*
- * Portable baseline instantiation of the attention kernels: plain C on a
- * 4-lane vector (GCC/Clang vector extensions, which become SSE2 on x86-64 and
- * NEON on aarch64; a struct with lane loops elsewhere).
+ * Portable baseline instantiation of the attention kernels: plain C on
+ * 16-byte vectors of 4 floats or 2 doubles (GCC/Clang vector extensions,
+ * which become SSE2 on x86-64 and NEON on aarch64; lane structs elsewhere).
  * Compiled with no ISA flags; runs on every CPU the wheel supports.
  */
 #include <math.h>
@@ -36,68 +36,61 @@ static inline float mh_expf_poly(float x)
 #if (defined(__GNUC__) || defined(__clang__)) && !defined(MH_BASELINE_STRUCT)
 /* GCC/Clang vector extensions: 4 lanes the compiler maps onto SSE2 or NEON. */
 typedef float mh_v4f __attribute__((vector_size(16)));
-typedef double mh_v4d __attribute__((vector_size(16))); /* 2 lanes despite the name */
+typedef double mh_v2d __attribute__((vector_size(16)));
 typedef int32_t mh_v4i __attribute__((vector_size(16)));
-typedef int64_t mh_v4l __attribute__((vector_size(16)));
+typedef int64_t mh_v2l __attribute__((vector_size(16)));
 #define MH_LANE(v, l) ((v)[l])
 
 static inline mh_v4f v4f_add(mh_v4f a, mh_v4f b) { return a + b; }
 static inline mh_v4f v4f_sub(mh_v4f a, mh_v4f b) { return a - b; }
 static inline mh_v4f v4f_mul(mh_v4f a, mh_v4f b) { return a * b; }
-static inline mh_v4d v4d_add(mh_v4d a, mh_v4d b) { return a + b; }
-static inline mh_v4d v4d_sub(mh_v4d a, mh_v4d b) { return a - b; }
-static inline mh_v4d v4d_mul(mh_v4d a, mh_v4d b) { return a * b; }
+static inline mh_v2d v2d_add(mh_v2d a, mh_v2d b) { return a + b; }
+static inline mh_v2d v2d_sub(mh_v2d a, mh_v2d b) { return a - b; }
+static inline mh_v2d v2d_mul(mh_v2d a, mh_v2d b) { return a * b; }
 /* max returns b where a > b is false, so a NaN in b is kept (as the x86 paths do) */
 static inline mh_v4f v4f_max(mh_v4f a, mh_v4f b)
 {
     mh_v4i m = a > b;
     return (mh_v4f)((m & (mh_v4i)a) | (~m & (mh_v4i)b));
 }
-static inline mh_v4d v4d_max(mh_v4d a, mh_v4d b)
+static inline mh_v2d v2d_max(mh_v2d a, mh_v2d b)
 {
-    mh_v4l m = a > b;
-    return (mh_v4d)((m & (mh_v4l)a) | (~m & (mh_v4l)b));
+    mh_v2l m = a > b;
+    return (mh_v2d)((m & (mh_v2l)a) | (~m & (mh_v2l)b));
 }
 static inline mh_v4f v4f_set1(float s) { return (mh_v4f){s, s, s, s}; }
-static inline mh_v4d v4d_set1(double s) { return (mh_v4d){s, s}; }
+static inline mh_v2d v2d_set1(double s) { return (mh_v2d){s, s}; }
 static inline mh_v4f v4f_load(const float *p) { mh_v4f r; __builtin_memcpy(&r, p, sizeof r); return r; }
-static inline mh_v4d v4d_load(const double *p) { mh_v4d r; __builtin_memcpy(&r, p, sizeof r); return r; }
+static inline mh_v2d v2d_load(const double *p) { mh_v2d r; __builtin_memcpy(&r, p, sizeof r); return r; }
 static inline void v4f_store(float *p, mh_v4f v) { __builtin_memcpy(p, &v, sizeof v); }
-static inline void v4d_store(double *p, mh_v4d v) { __builtin_memcpy(p, &v, sizeof v); }
+static inline void v2d_store(double *p, mh_v2d v) { __builtin_memcpy(p, &v, sizeof v); }
 #else
-/* Other compilers: a 4-lane struct and lane loops. */
+/* Other compilers: small lane structs and lane loops. */
 typedef struct { float x[4]; } mh_v4f;
-typedef struct { double x[2]; } mh_v4d; /* 2 lanes despite the name */
+typedef struct { double x[2]; } mh_v2d;
 #define MH_LANE(v, l) ((v).x[l])
 
-#define MH_LANEWISE(VT, name, expr)                                 \
+#define MH_LANEWISE(VT, N, name, expr)                              \
     static inline VT name(VT a, VT b)                               \
     {                                                               \
         VT r;                                                       \
-        for (int l = 0; l < 4; ++l) r.x[l] = (expr);                \
+        for (int l = 0; l < (N); ++l) r.x[l] = (expr);              \
         return r;                                                   \
     }
-#define MH_LANEWISE2(VT, name, expr)                                \
-    static inline VT name(VT a, VT b)                               \
-    {                                                               \
-        VT r;                                                       \
-        for (int l = 0; l < 2; ++l) r.x[l] = (expr);                \
-        return r;                                                   \
-    }
-MH_LANEWISE(mh_v4f, v4f_add, a.x[l] + b.x[l])
-MH_LANEWISE(mh_v4f, v4f_sub, a.x[l] - b.x[l])
-MH_LANEWISE(mh_v4f, v4f_mul, a.x[l] * b.x[l])
-MH_LANEWISE(mh_v4f, v4f_max, a.x[l] > b.x[l] ? a.x[l] : b.x[l])
-MH_LANEWISE2(mh_v4d, v4d_add, a.x[l] + b.x[l])
-MH_LANEWISE2(mh_v4d, v4d_sub, a.x[l] - b.x[l])
-MH_LANEWISE2(mh_v4d, v4d_mul, a.x[l] * b.x[l])
-MH_LANEWISE2(mh_v4d, v4d_max, a.x[l] > b.x[l] ? a.x[l] : b.x[l])
+MH_LANEWISE(mh_v4f, 4, v4f_add, a.x[l] + b.x[l])
+MH_LANEWISE(mh_v4f, 4, v4f_sub, a.x[l] - b.x[l])
+MH_LANEWISE(mh_v4f, 4, v4f_mul, a.x[l] * b.x[l])
+MH_LANEWISE(mh_v4f, 4, v4f_max, a.x[l] > b.x[l] ? a.x[l] : b.x[l])
+MH_LANEWISE(mh_v2d, 2, v2d_add, a.x[l] + b.x[l])
+MH_LANEWISE(mh_v2d, 2, v2d_sub, a.x[l] - b.x[l])
+MH_LANEWISE(mh_v2d, 2, v2d_mul, a.x[l] * b.x[l])
+MH_LANEWISE(mh_v2d, 2, v2d_max, a.x[l] > b.x[l] ? a.x[l] : b.x[l])
 static inline mh_v4f v4f_set1(float s) { mh_v4f r = {{s, s, s, s}}; return r; }
-static inline mh_v4d v4d_set1(double s) { mh_v4d r = {{s, s}}; return r; }
+static inline mh_v2d v2d_set1(double s) { mh_v2d r = {{s, s}}; return r; }
 static inline mh_v4f v4f_load(const float *p) { mh_v4f r = {{p[0], p[1], p[2], p[3]}}; return r; }
-static inline mh_v4d v4d_load(const double *p) { mh_v4d r = {{p[0], p[1]}}; return r; }
+static inline mh_v2d v2d_load(const double *p) { mh_v2d r = {{p[0], p[1]}}; return r; }
 static inline void v4f_store(float *p, mh_v4f v) { for (int l = 0; l < 4; ++l) p[l] = v.x[l]; }
-static inline void v4d_store(double *p, mh_v4d v) { for (int l = 0; l < 2; ++l) p[l] = v.x[l]; }
+static inline void v2d_store(double *p, mh_v2d v) { for (int l = 0; l < 2; ++l) p[l] = v.x[l]; }
 #endif
 
 #define MH_UNARY(VT, ST, N, name, expr)                             \
@@ -112,8 +105,8 @@ static inline void v4d_store(double *p, mh_v4d v) { for (int l = 0; l < 2; ++l) 
     }
 MH_UNARY(mh_v4f, float, 4, v4f_exp, mh_expf_poly(t))
 MH_UNARY(mh_v4f, float, 4, v4f_ninf0, t == -INFINITY ? 0.0f : t)
-MH_UNARY(mh_v4d, double, 2, v4d_exp, exp(t))
-MH_UNARY(mh_v4d, double, 2, v4d_ninf0, t == -INFINITY ? 0.0 : t)
+MH_UNARY(mh_v2d, double, 2, v2d_exp, exp(t))
+MH_UNARY(mh_v2d, double, 2, v2d_ninf0, t == -INFINITY ? 0.0 : t)
 
 /* ---------------------------------------------------------------- float32 */
 #define T float
@@ -140,24 +133,24 @@ MH_UNARY(mh_v4d, double, 2, v4d_ninf0, t == -INFINITY ? 0.0 : t)
 
 /* ---------------------------------------------------------------- float64 */
 #define T double
-#define V mh_v4d
+#define V mh_v2d
 #define VW 2
 #define NVQ 2
 #define JR 4
 #define NVO 2
 #define IR 4
 #define FN(x) x##_f64_baseline
-#define V_ZERO() v4d_set1(0.0)
-#define V_SET1(x) v4d_set1(x)
-#define V_LOAD(p) v4d_load(p)
-#define V_STORE(p, v) v4d_store((p), (v))
-#define V_ADD(a, b) v4d_add((a), (b))
-#define V_SUB(a, b) v4d_sub((a), (b))
-#define V_MUL(a, b) v4d_mul((a), (b))
-#define V_MAX(a, b) v4d_max((a), (b))
-#define V_FMA(a, b, c) v4d_add(v4d_mul((a), (b)), (c))
-#define V_EXP(x) v4d_exp(x)
-#define V_NEG_INF_TO_ZERO(x) v4d_ninf0(x)
+#define V_ZERO() v2d_set1(0.0)
+#define V_SET1(x) v2d_set1(x)
+#define V_LOAD(p) v2d_load(p)
+#define V_STORE(p, v) v2d_store((p), (v))
+#define V_ADD(a, b) v2d_add((a), (b))
+#define V_SUB(a, b) v2d_sub((a), (b))
+#define V_MUL(a, b) v2d_mul((a), (b))
+#define V_MAX(a, b) v2d_max((a), (b))
+#define V_FMA(a, b, c) v2d_add(v2d_mul((a), (b)), (c))
+#define V_EXP(x) v2d_exp(x)
+#define V_NEG_INF_TO_ZERO(x) v2d_ninf0(x)
 #define V_HSUM(v) (MH_LANE(v, 0) + MH_LANE(v, 1))
 #include "mh_attention_impl.h"
 

@@ -1,13 +1,7 @@
 #!/usr/bin/env bash
 # Build the extension with AddressSanitizer + UndefinedBehaviorSanitizer and run the test suite
 # under them; then a small valgrind memcheck run.  Linux + gcc.  Usage: tools/sanitize.sh
-set -euo pipefail
-root="$(cd "$(dirname "$0")/.." && pwd)"
-py="${PYTHON:-python3}"
-work="$(mktemp -d)"
-trap 'rm -rf "$work"' EXIT
-mkdir -p "$work/src"
-(cd "$root" && git ls-files -z | xargs -0 cp --parents -t "$work/src")
+source "$(dirname "$0")/_tracked_copy.sh"
 
 asan="$(gcc -print-file-name=libasan.so)"
 ubsan="$(gcc -print-file-name=libubsan.so)"
