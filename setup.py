@@ -127,8 +127,8 @@ class BuildExt(build_ext):
                     output_dir=self.build_temp,
                     include_dirs=[CSRC],
                     extra_postargs=base + flags,
-                    depends=[os.path.join(CSRC, "mh_kernels.h"),
-                             os.path.join(CSRC, "mh_attention_impl.h")],
+                    depends=[os.path.join(CSRC, h) for h in
+                             ("mh_kernels.h", "mh_attention_impl.h", "mh_exp.h")],
                 )
             ext.extra_objects = objects + list(ext.extra_objects or [])
             if omp is not None:

@@ -8,6 +8,7 @@
 #if defined(__x86_64__) || defined(_M_X64)
 #include <immintrin.h>
 #include <math.h>
+#include "mh_exp.h"
 
 static inline float mh_hsum_f32_avx2(__m256 v)
 {
@@ -48,24 +49,24 @@ static inline double mh_hsum_f64_avx2(__m256d v)
 #define V_NEG_INF_TO_ZERO(x) \
     _mm256_andnot_ps(_mm256_cmp_ps((x), _mm256_set1_ps(-INFINITY), _CMP_EQ_OQ), (x))
 
-/* exp(x), same scheme as the AVX-512 path; 2^n is built in the exponent field
-   from the rounding constant 1.5*2^23 (n + 127 lands in the low mantissa bits). */
+/* exp(x) (scheme and constants in mh_exp.h); 2^n is built in the exponent
+   field from the rounding constant (n + 127 lands in the low mantissa bits). */
 static inline __m256 mh_exp_f32_avx2(__m256 x)
 {
-    const __m256 lo = _mm256_set1_ps(-87.33654f);
-    const __m256 magic = _mm256_set1_ps(12582912.0f);
+    const __m256 lo = _mm256_set1_ps(MH_EXPF_MIN_ARG);
+    const __m256 round = _mm256_set1_ps(MH_EXPF_ROUND);
     __m256 xc = _mm256_max_ps(lo, x);
-    __m256 t = _mm256_fmadd_ps(xc, _mm256_set1_ps(1.44269504088896341f), magic);
-    __m256 n = _mm256_sub_ps(t, magic);
-    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), xc);
-    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-    __m256 p = _mm256_set1_ps(1.3836845755577087e-3f); /* degree-6 minimax for e^r */
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.374815806746483e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.166822507977486e-2f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666419804096222e-1f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.9999991059303284e-1f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+    __m256 t = _mm256_fmadd_ps(xc, _mm256_set1_ps(MH_EXPF_LOG2E), round);
+    __m256 n = _mm256_sub_ps(t, round);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(MH_EXPF_LN2_HI), xc);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(MH_EXPF_LN2_LO), r);
+    __m256 p = _mm256_set1_ps(MH_EXPF_P6);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(MH_EXPF_P5));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(MH_EXPF_P4));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(MH_EXPF_P3));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(MH_EXPF_P2));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(MH_EXPF_P1));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(MH_EXPF_P0));
     __m256i e = _mm256_slli_epi32(
         _mm256_add_epi32(_mm256_castps_si256(t), _mm256_set1_epi32(127)), 23);
     __m256 y = _mm256_mul_ps(p, _mm256_castsi256_ps(e));
@@ -97,23 +98,19 @@ static inline __m256 mh_exp_f32_avx2(__m256 x)
 #define V_NEG_INF_TO_ZERO(x) \
     _mm256_andnot_pd(_mm256_cmp_pd((x), _mm256_set1_pd(-INFINITY), _CMP_EQ_OQ), (x))
 
-/* exp(x) in double: degree-13 polynomial; 2^n from the constant 1.5*2^52. */
+/* exp(x) in double (scheme and constants in mh_exp.h). */
 static inline __m256d mh_exp_f64_avx2(__m256d x)
 {
-    const __m256d lo = _mm256_set1_pd(-708.3964185322641);
-    const __m256d magic = _mm256_set1_pd(6755399441055744.0);
+    const __m256d lo = _mm256_set1_pd(MH_EXP_MIN_ARG);
+    const __m256d round = _mm256_set1_pd(MH_EXP_ROUND);
     __m256d xc = _mm256_max_pd(lo, x);
-    __m256d t = _mm256_fmadd_pd(xc, _mm256_set1_pd(1.4426950408889634), magic);
-    __m256d n = _mm256_sub_pd(t, magic);
-    __m256d r = _mm256_fnmadd_pd(n, _mm256_set1_pd(6.93147180369123816490e-01), xc);
-    r = _mm256_fnmadd_pd(n, _mm256_set1_pd(1.90821492927058770002e-10), r);
-    static const double c[14] = {1.0 / 6227020800.0, 1.0 / 479001600.0, 1.0 / 39916800.0,
-                                 1.0 / 3628800.0,    1.0 / 362880.0,    1.0 / 40320.0,
-                                 1.0 / 5040.0,       1.0 / 720.0,       1.0 / 120.0,
-                                 1.0 / 24.0,         1.0 / 6.0,         0.5,
-                                 1.0,                1.0};
-    __m256d p = _mm256_set1_pd(c[0]);
-    for (int i = 1; i < 14; ++i) p = _mm256_fmadd_pd(p, r, _mm256_set1_pd(c[i]));
+    __m256d t = _mm256_fmadd_pd(xc, _mm256_set1_pd(MH_EXP_LOG2E), round);
+    __m256d n = _mm256_sub_pd(t, round);
+    __m256d r = _mm256_fnmadd_pd(n, _mm256_set1_pd(MH_EXP_LN2_HI), xc);
+    r = _mm256_fnmadd_pd(n, _mm256_set1_pd(MH_EXP_LN2_LO), r);
+    __m256d p = _mm256_set1_pd(mh_exp_f64_poly[0]);
+    for (int i = 1; i <= MH_EXP_DEGREE; ++i)
+        p = _mm256_fmadd_pd(p, r, _mm256_set1_pd(mh_exp_f64_poly[i]));
     __m256i e = _mm256_slli_epi64(
         _mm256_add_epi64(_mm256_castpd_si256(t), _mm256_set1_epi64x(1023)), 52);
     __m256d y = _mm256_mul_pd(p, _mm256_castsi256_pd(e));
@@ -123,9 +120,7 @@ static inline __m256d mh_exp_f64_avx2(__m256d x)
 #include "mh_attention_impl.h"
 
 const mh_kernel_table mh_table_avx2 = {
-    "avx2", mh_fwd_item_f32_avx2, mh_fwd_item_f64_avx2, mh_split_item_f32_avx2, mh_split_item_f64_avx2,
-    mh_merge_item_f32_avx2, mh_merge_item_f64_avx2, mh_exp_array_f32_avx2, mh_exp_array_f64_avx2};
-int mh_avx2_compiled = 1;
-#else
-int mh_avx2_compiled = 0;
+    "avx2", mh_block_item_f32_avx2, mh_block_item_f64_avx2, mh_split_item_f32_avx2,
+    mh_split_item_f64_avx2, mh_merge_item_f32_avx2, mh_merge_item_f64_avx2,
+    mh_exp_array_f32_avx2, mh_exp_array_f64_avx2};
 #endif

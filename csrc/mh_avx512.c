@@ -8,6 +8,7 @@
 #if defined(__x86_64__) || defined(_M_X64)
 #include <immintrin.h>
 #include <math.h>
+#include "mh_exp.h"
 
 /* ---------------------------------------------------------------- float32 */
 #define T float
@@ -34,24 +35,23 @@
     _mm512_mask_blend_ps(_mm512_cmp_ps_mask((x), _mm512_set1_ps(-INFINITY), _CMP_EQ_OQ), (x), \
                          _mm512_setzero_ps())
 
-/* exp(x) to about 2 ulp: x = n ln2 + r, |r| <= ln2/2, a degree-6 minimax
-   polynomial for e^r, scaled by 2^n with scalef.  Inputs are clamped at -110,
-   where 2^n underflows to exactly 0, so exp(-inf) = 0; NaN passes through
-   (max returns its second operand when one operand is NaN). */
+/* exp(x) (scheme and constants in mh_exp.h), 2^n applied with scalef.  Inputs
+   are clamped where 2^n underflows to exactly 0, so exp(-inf) = 0; NaN passes
+   through (max returns its second operand when one operand is NaN). */
 static inline __m512 mh_exp_f32_avx512(__m512 x)
 {
-    __m512 xc = _mm512_max_ps(_mm512_set1_ps(-110.0f), x);
-    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(xc, _mm512_set1_ps(1.44269504088896341f)),
+    __m512 xc = _mm512_max_ps(_mm512_set1_ps(MH_EXPF_SCALEF_MIN_ARG), x);
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(xc, _mm512_set1_ps(MH_EXPF_LOG2E)),
                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), xc);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.3836845755577087e-3f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.374815806746483e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.166822507977486e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666419804096222e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.9999991059303284e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(MH_EXPF_LN2_HI), xc);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(MH_EXPF_LN2_LO), r);
+    __m512 p = _mm512_set1_ps(MH_EXPF_P6);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(MH_EXPF_P5));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(MH_EXPF_P4));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(MH_EXPF_P3));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(MH_EXPF_P2));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(MH_EXPF_P1));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(MH_EXPF_P0));
     return _mm512_scalef_ps(p, n);
 }
 
@@ -81,22 +81,18 @@ static inline __m512 mh_exp_f32_avx512(__m512 x)
     _mm512_mask_blend_pd(_mm512_cmp_pd_mask((x), _mm512_set1_pd(-INFINITY), _CMP_EQ_OQ), (x), \
                          _mm512_setzero_pd())
 
-/* exp(x) to about 1 ulp in double: degree-13 polynomial on |r| <= ln2/2. */
+/* exp(x) in double (scheme and constants in mh_exp.h), 2^n with scalef. */
 static inline __m512d mh_exp_f64_avx512(__m512d x)
 {
-    const __m512d lo = _mm512_set1_pd(-708.3964185322641);
+    const __m512d lo = _mm512_set1_pd(MH_EXP_MIN_ARG);
     __m512d xc = _mm512_max_pd(lo, x);
-    __m512d n = _mm512_roundscale_pd(_mm512_mul_pd(xc, _mm512_set1_pd(1.4426950408889634)),
+    __m512d n = _mm512_roundscale_pd(_mm512_mul_pd(xc, _mm512_set1_pd(MH_EXP_LOG2E)),
                                      _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512d r = _mm512_fnmadd_pd(n, _mm512_set1_pd(6.93147180369123816490e-01), xc);
-    r = _mm512_fnmadd_pd(n, _mm512_set1_pd(1.90821492927058770002e-10), r);
-    static const double c[14] = {1.0 / 6227020800.0, 1.0 / 479001600.0, 1.0 / 39916800.0,
-                                 1.0 / 3628800.0,    1.0 / 362880.0,    1.0 / 40320.0,
-                                 1.0 / 5040.0,       1.0 / 720.0,       1.0 / 120.0,
-                                 1.0 / 24.0,         1.0 / 6.0,         0.5,
-                                 1.0,                1.0};
-    __m512d p = _mm512_set1_pd(c[0]);
-    for (int i = 1; i < 14; ++i) p = _mm512_fmadd_pd(p, r, _mm512_set1_pd(c[i]));
+    __m512d r = _mm512_fnmadd_pd(n, _mm512_set1_pd(MH_EXP_LN2_HI), xc);
+    r = _mm512_fnmadd_pd(n, _mm512_set1_pd(MH_EXP_LN2_LO), r);
+    __m512d p = _mm512_set1_pd(mh_exp_f64_poly[0]);
+    for (int i = 1; i <= MH_EXP_DEGREE; ++i)
+        p = _mm512_fmadd_pd(p, r, _mm512_set1_pd(mh_exp_f64_poly[i]));
     __m512d y = _mm512_scalef_pd(p, n);
     return _mm512_mask_blend_pd(_mm512_cmp_pd_mask(x, lo, _CMP_LT_OQ), y, _mm512_setzero_pd());
 }
@@ -104,9 +100,7 @@ static inline __m512d mh_exp_f64_avx512(__m512d x)
 #include "mh_attention_impl.h"
 
 const mh_kernel_table mh_table_avx512 = {
-    "avx512", mh_fwd_item_f32_avx512, mh_fwd_item_f64_avx512, mh_split_item_f32_avx512, mh_split_item_f64_avx512,
-    mh_merge_item_f32_avx512, mh_merge_item_f64_avx512, mh_exp_array_f32_avx512, mh_exp_array_f64_avx512};
-int mh_avx512_compiled = 1;
-#else
-int mh_avx512_compiled = 0;
+    "avx512", mh_block_item_f32_avx512, mh_block_item_f64_avx512, mh_split_item_f32_avx512,
+    mh_split_item_f64_avx512, mh_merge_item_f32_avx512, mh_merge_item_f64_avx512,
+    mh_exp_array_f32_avx512, mh_exp_array_f64_avx512};
 #endif

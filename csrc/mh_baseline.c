@@ -7,25 +7,26 @@
 #include <math.h>
 #include <stdint.h>
 #include "mh_kernels.h"
+#include "mh_exp.h"
 
-/* exp(x) in plain arithmetic (no libm call, so the lane loop vectorises):
-   x = n ln2 + r, degree-6 minimax polynomial for e^r, 2^n built in the
-   exponent bits.  Below ln(FLT_MIN) gives 0, above ln(FLT_MAX) inf; NaN stays NaN. */
+/* exp(x) in plain arithmetic (no libm call, so the lane loop vectorises),
+   scheme and constants in mh_exp.h, 2^n built in the exponent bits.  Below
+   ln(FLT_MIN) gives 0, above ln(FLT_MAX) inf; NaN stays NaN. */
 static inline float mh_expf_poly(float x)
 {
-    const float lo = -87.33654f, hi = 88.7228f;
+    const float lo = MH_EXPF_MIN_ARG, hi = MH_EXPF_MAX_ARG;
     float xc = x < lo ? lo : (x > hi ? hi : x); /* NaN compares false: stays NaN */
-    float t = xc * 1.44269504088896341f + 12582912.0f;
-    float n = t - 12582912.0f;
-    float r = xc - n * 0.693359375f;
-    r = r - n * -2.12194440e-4f;
-    float p = 1.3836845755577087e-3f;
-    p = p * r + 8.374815806746483e-3f;
-    p = p * r + 4.166822507977486e-2f;
-    p = p * r + 1.6666419804096222e-1f;
-    p = p * r + 4.9999991059303284e-1f;
-    p = p * r + 1.0f;
-    p = p * r + 1.0f;
+    float t = xc * MH_EXPF_LOG2E + MH_EXPF_ROUND;
+    float n = t - MH_EXPF_ROUND;
+    float r = xc - n * MH_EXPF_LN2_HI;
+    r = r - n * MH_EXPF_LN2_LO;
+    float p = MH_EXPF_P6;
+    p = p * r + MH_EXPF_P5;
+    p = p * r + MH_EXPF_P4;
+    p = p * r + MH_EXPF_P3;
+    p = p * r + MH_EXPF_P2;
+    p = p * r + MH_EXPF_P1;
+    p = p * r + MH_EXPF_P0;
     union { float f; int32_t i; } u, e;
     u.f = t;
     e.i = (int32_t)(((uint32_t)u.i + 127u) << 23);
@@ -155,5 +156,6 @@ MH_UNARY(mh_v2d, double, 2, v2d_ninf0, t == -INFINITY ? 0.0 : t)
 #include "mh_attention_impl.h"
 
 const mh_kernel_table mh_table_baseline = {
-    "baseline", mh_fwd_item_f32_baseline, mh_fwd_item_f64_baseline, mh_split_item_f32_baseline, mh_split_item_f64_baseline,
-    mh_merge_item_f32_baseline, mh_merge_item_f64_baseline, mh_exp_array_f32_baseline, mh_exp_array_f64_baseline};
+    "baseline", mh_block_item_f32_baseline, mh_block_item_f64_baseline, mh_split_item_f32_baseline,
+    mh_split_item_f64_baseline, mh_merge_item_f32_baseline, mh_merge_item_f64_baseline,
+    mh_exp_array_f32_baseline, mh_exp_array_f64_baseline};

@@ -1,7 +1,8 @@
 /*
  * Run-time selection of the kernel path: which ISA files were compiled in,
  * and whether this CPU (and its OS, which must save the wider registers on a
- * context switch) can run them.  Compiled without any ISA flags.
+ * context switch) can run them.  Also the one plan of a work item's scratch.
+ * Compiled without any ISA flags.
  */
 #include "mh_kernels.h"
 
@@ -17,15 +18,48 @@ extern const mh_kernel_table mh_table_avx512;
 #endif
 #endif
 
-size_t mh_scratch_bytes(int64_t head_dim, int64_t v_dim, size_t elem_size)
+#define MH_ROUND16(n) (((n) + 15) / 16 * 16)
+
+mh_scratch_layout mh_scratch_plan(int64_t head_dim, int64_t v_dim)
 {
-    /* mirrors the layout in mh_attention_impl.h; every part a multiple of 16 elements */
-    const int64_t evp = (v_dim + 15) / 16 * 16;
-    const int64_t qt = (head_dim * MH_BLOCK_Q + 15) / 16 * 16;
-    const int64_t kpack = (head_dim + 15) / 16 * 16 * MH_BLOCK_K;
-    const int64_t elems = qt + (int64_t)MH_BLOCK_K * MH_BLOCK_Q + (int64_t)MH_BLOCK_Q * evp +
-                          kpack + (int64_t)MH_BLOCK_K * evp + 3 * MH_BLOCK_Q;
-    return (size_t)elems * elem_size + 64;
+    mh_scratch_layout s;
+    s.ep = MH_ROUND16(head_dim);
+    s.evp = MH_ROUND16(v_dim);
+    s.qt = 0;
+    s.st = s.qt + MH_ROUND16(head_dim * MH_BLOCK_Q);
+    s.acc = s.st + (int64_t)MH_BLOCK_K * MH_BLOCK_Q;
+    s.kpack = s.acc + (int64_t)MH_BLOCK_Q * s.evp;
+    s.vpack = s.kpack + (int64_t)MH_BLOCK_K * s.ep;
+    s.row_max = s.vpack + (int64_t)MH_BLOCK_K * s.evp;
+    s.row_sum = s.row_max + MH_BLOCK_Q;
+    s.alpha = s.row_sum + MH_BLOCK_Q;
+    s.elems = s.alpha + MH_BLOCK_Q;
+    return s;
+}
+
+size_t mh_scratch_stride(int64_t head_dim, int64_t v_dim, size_t elem_size)
+{
+    const size_t bytes = (size_t)mh_scratch_plan(head_dim, v_dim).elems * elem_size;
+    return (bytes + MH_SCRATCH_ALIGN - 1) / MH_SCRATCH_ALIGN * MH_SCRATCH_ALIGN;
+}
+
+void *mh_scratch_align(void *raw)
+{
+    const uintptr_t p = (uintptr_t)raw;
+    return (void *)((p + MH_SCRATCH_ALIGN - 1) / MH_SCRATCH_ALIGN * MH_SCRATCH_ALIGN);
+}
+
+static const char *const mh_isa_names[MH_ISA_COUNT] = {"baseline", "avx2", "avx512"};
+static const int mh_isa_preference[MH_ISA_COUNT] = {MH_ISA_AVX512, MH_ISA_AVX2, MH_ISA_BASELINE};
+
+const char *mh_isa_name(int isa)
+{
+    return isa >= 0 && isa < MH_ISA_COUNT ? mh_isa_names[isa] : 0;
+}
+
+int mh_isa_by_preference(int rank)
+{
+    return rank >= 0 && rank < MH_ISA_COUNT ? mh_isa_preference[rank] : -1;
 }
 
 #ifdef MH_X86
@@ -53,27 +87,39 @@ static unsigned long long mh_xgetbv0(void)
 }
 #endif
 
-int mh_cpu_supports(int isa)
+mh_cpu_features mh_cpu_detect(void)
 {
-    if (isa == MH_ISA_BASELINE) return 1;
+    mh_cpu_features f = {0, 0, 0, 0, 0, 0, 0};
 #ifdef MH_X86
     unsigned r[4];
     mh_cpuid(0, 0, r);
-    const unsigned max_leaf = r[0];
-    if (max_leaf < 7) return 0;
+    if (r[0] < 7) return f; /* no leaf 7: no AVX2 */
     mh_cpuid(1, 0, r);
-    const int osxsave = (r[2] >> 27) & 1, fma = (r[2] >> 12) & 1, avx = (r[2] >> 28) & 1;
-    const int f16c = (r[2] >> 29) & 1;
-    if (!osxsave || !avx) return 0;
-    const unsigned long long xcr0 = mh_xgetbv0();
-    const int os_ymm = (xcr0 & 0x6) == 0x6;     /* XMM and YMM state */
-    const int os_zmm = (xcr0 & 0xe6) == 0xe6;   /* plus opmask and ZMM state */
+    f.fma = (r[2] >> 12) & 1;
+    f.f16c = (r[2] >> 29) & 1;
+    f.avx = (r[2] >> 28) & 1;
+    if ((r[2] >> 27) & 1) { /* OSXSAVE: XGETBV is allowed */
+        const unsigned long long xcr0 = mh_xgetbv0();
+        f.os_ymm = (xcr0 & 0x6) == 0x6;   /* XMM and YMM state */
+        f.os_zmm = (xcr0 & 0xe6) == 0xe6; /* plus opmask and ZMM state */
+    }
     mh_cpuid(7, 0, r);
-    const int avx2 = (r[1] >> 5) & 1, avx512f = (r[1] >> 16) & 1;
-    if (isa == MH_ISA_AVX2) return os_ymm && avx2 && fma && f16c;
-    if (isa == MH_ISA_AVX512) return os_ymm && os_zmm && avx2 && fma && f16c && avx512f;
+    f.avx2 = (r[1] >> 5) & 1;
+    f.avx512f = (r[1] >> 16) & 1;
 #endif
-    return 0;
+    return f;
+}
+
+int mh_cpu_supports(int isa)
+{
+    const mh_cpu_features f = mh_cpu_detect();
+    const int avx2 = f.avx && f.os_ymm && f.avx2 && f.fma && f.f16c;
+    switch (isa) {
+    case MH_ISA_BASELINE: return 1;
+    case MH_ISA_AVX2: return avx2;
+    case MH_ISA_AVX512: return avx2 && f.os_zmm && f.avx512f;
+    default: return 0;
+    }
 }
 
 int mh_isa_compiled(int isa)

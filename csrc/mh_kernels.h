@@ -7,11 +7,11 @@
  * sum) softmax.  The score matrix is never materialised beyond one
  * MH_BLOCK_K x MH_BLOCK_Q tile that lives in the caller-provided scratch.
  *
- * Layout.  Every tensor is addressed as  base + off[bh] + row * row_stride + col
- * with all offsets and strides in ELEMENTS (not bytes); the last axis is
- * contiguous.  `bh` is the flat (batch, query head) index; the caller folds
- * broadcasting and grouped-query head sharing into the per-bh offset tables,
- * so the kernels never see batch shapes.
+ * Layout.  Every operand is an mh_operand: element (pair, row, col) lives at
+ * base + off[pair] + row * row_stride + col * col_stride, all in ELEMENTS (not
+ * bytes); col_stride is 1 except for masks.  `pair` is the flat (batch, query
+ * head) index; the caller folds broadcasting and grouped-query head sharing
+ * into the per-pair offset tables, so the kernels never see batch shapes.
  *
  * Contract.  Kernels do not allocate, do not take locks, do not touch Python,
  * and write only the output rows (and weight rows) of their own work item, so
@@ -40,75 +40,135 @@ extern "C" {
 #define MH_RESTRICT restrict
 #endif
 
-#define MH_BLOCK_Q 64 /* query rows per work item */
-#define MH_BLOCK_K 64 /* keys per streamed block */
-#define MH_DOT_ROWS 4 /* up to this many query rows use dot-product scores (decode) */
+#define MH_BLOCK_Q 64   /* query rows per work item */
+#define MH_BLOCK_K 64   /* keys per streamed block */
+#define MH_FEW_ROWS 4   /* up to this many query rows take the few-rows path (decode) */
+#define MH_SCRATCH_ALIGN 64 /* bytes; every scratch part starts on such a boundary */
 
 enum mh_mask_kind { MH_MASK_NONE = 0, MH_MASK_BOOL = 1, MH_MASK_ADD = 2 };
+
+/* Storage of keys and values: the kernel's own float type, or float16 widened
+   as it is read (float32 kernels only). */
+enum mh_kv_format { MH_KV_NATIVE = 0, MH_KV_F16 = 1 };
+
+/* Kernel paths, in no particular order; mh_isa_by_preference() ranks them. */
 enum mh_isa { MH_ISA_BASELINE = 0, MH_ISA_AVX2 = 1, MH_ISA_AVX512 = 2, MH_ISA_COUNT = 3 };
 
+/* One operand: see "Layout" above. */
+typedef struct mh_operand {
+    const void *base;
+    const int64_t *off; /* one entry per (batch, query head) pair */
+    int64_t row;        /* row stride */
+    int64_t col;        /* column stride: 1, or 0 for a broadcast mask column */
+} mh_operand;
+
+/* Causal structure: query row i may attend key j iff j <= i + offset (and, with
+   window > 0, j > i + offset - window).  offset 0 is PyTorch's top-left
+   alignment; S - L aligns the queries to the end of the keys. */
+typedef struct mh_causal {
+    int enabled;
+    int64_t offset;
+    int64_t window; /* 0: none */
+} mh_causal;
+
+/* Split-key schedule for a few query rows against many keys: keys cut into
+   n_split ranges of split_keys, each attended on its own (mh_split_fn), then
+   merged in range order (mh_merge_fn).  Partial buffers, kernel float type:
+   acc (n_pairs, n_split, L, Ev), row max and row sum (n_pairs, n_split, L). */
+typedef struct mh_key_split {
+    int64_t n_split, split_keys;
+    void *acc, *row_max, *row_sum;
+} mh_key_split;
+
 typedef struct mh_attn_args {
-    int64_t n_bh;     /* number of (batch, query head) pairs */
+    int64_t n_pairs;  /* (batch, query head) pairs */
     int64_t q_len;    /* L: query rows per pair */
     int64_t kv_len;   /* S: keys per pair */
     int64_t head_dim; /* E: query/key width */
     int64_t v_dim;    /* Ev: value/output width */
 
-    const void *q; const int64_t *q_off; int64_t q_row;   /* (n_bh, L, E)  */
-    const void *k; const int64_t *k_off; int64_t k_row;   /* (n_bh, S, E)  */
-    const void *v; const int64_t *v_off; int64_t v_row;   /* (n_bh, S, Ev) */
-    void *out;     const int64_t *out_off; int64_t out_row; /* (n_bh, L, Ev) */
+    mh_operand q;     /* (pairs, L, E)  kernel float type */
+    mh_operand k;     /* (pairs, S, E)  kv_format */
+    mh_operand v;     /* (pairs, S, Ev) kv_format */
+    mh_operand out;   /* (pairs, L, Ev) kernel float type, written */
+    int kv_format;    /* enum mh_kv_format */
 
-    /* Optional mask (n_bh, L, S): MH_MASK_BOOL reads bytes, nonzero = may
+    /* Optional mask (pairs, L, S): MH_MASK_BOOL reads bytes, nonzero = may
        attend; MH_MASK_ADD reads the kernel's float type and adds it to the
        scaled scores.  Row and column strides may be 0 (broadcast). */
     int mask_kind;
-    const void *mask; const int64_t *mask_off; int64_t mask_row; int64_t mask_col;
+    mh_operand mask;
 
-    /* Causal: query row i may attend key j iff j <= i + causal_offset.
-       0 is PyTorch's top-left alignment; S - L aligns queries to the end.
-       window > 0 (causal only) also hides keys j <= i + causal_offset - window. */
-    int causal;
-    int64_t causal_offset;
-    int64_t window;
-
-    /* K and V hold float16 (read and widened by the kernels; float32 only) */
-    int kv_half;
-
+    mh_causal causal;
     double scale;       /* multiplies q.k */
     double dropout_p;   /* probability of dropping an attention weight */
     uint64_t seed;      /* dropout stream: see mh_dropout_bits() */
 
-    /* Optional: dense weights (n_bh, L, S), C-contiguous, pre-zeroed by the
+    /* Optional: dense weights (pairs, L, S), C-contiguous, pre-zeroed by the
        caller; when set, the kernel also writes the (post-dropout) weights. */
     void *weights;
 
-    /* Decode split (mh_split_item / mh_merge_item): keys cut into n_split
-       ranges of split_keys; partial outputs (n_bh, n_split, L, Ev), row max
-       and row sum (n_bh, n_split, L), all of the kernel's float type. */
-    int64_t n_split, split_keys;
-    void *part_acc, *part_max, *part_sum;
+    mh_key_split split; /* n_split == 0 unless the split-key schedule runs */
 } mh_attn_args;
 
-/* One work item: pair `bh`, query rows [q_start, min(q_start + MH_BLOCK_Q, L)).
-   `scratch` must hold mh_scratch_bytes(E, Ev, sizeof(T)) bytes, 64-byte aligned. */
-typedef void (*mh_fwd_item_fn)(const mh_attn_args *args, int64_t bh, int64_t q_start,
-                               void *scratch);
+/* Query block: pair `pair`, rows [q_start, min(q_start + MH_BLOCK_Q, L)). */
+typedef void (*mh_block_fn)(const mh_attn_args *args, int64_t pair, int64_t q_start,
+                            void *scratch);
+/* Split-key item: every query row of pair `pair` against key range `range`. */
+typedef void (*mh_split_fn)(const mh_attn_args *args, int64_t pair, int64_t range,
+                            void *scratch);
+/* Merge of pair `pair`'s ranges into the output (scratch: >= Ev elements). */
+typedef void (*mh_merge_fn)(const mh_attn_args *args, int64_t pair, void *scratch);
 
 typedef struct mh_kernel_table {
     const char *name;
-    mh_fwd_item_fn fwd_f32;
-    mh_fwd_item_fn fwd_f64;
-    mh_fwd_item_fn split_f32; /* (args, bh, split index, scratch) */
-    mh_fwd_item_fn split_f64;
-    mh_fwd_item_fn merge_f32; /* (args, bh, unused, scratch of >= Ev elements) */
-    mh_fwd_item_fn merge_f64;
+    mh_block_fn block_f32, block_f64;
+    mh_split_fn split_f32, split_f64;
+    mh_merge_fn merge_f32, merge_f64;
     void (*exp_f32)(const float *x, float *y, int64_t n);   /* the path's vector exp */
     void (*exp_f64)(const double *x, double *y, int64_t n);
 } mh_kernel_table;
 
-/* Bytes of per-thread scratch needed by one work item. */
-size_t mh_scratch_bytes(int64_t head_dim, int64_t v_dim, size_t elem_size);
+/* Where each part of one work item's scratch starts, in elements of the
+   kernel's float type from a MH_SCRATCH_ALIGN-aligned base (every part is a
+   multiple of 16 elements, so every part is aligned too):
+     qt      [E][BQ]    query block, transposed, times scale
+                        (few-rows path: [rows][ep] row-major)
+     st      [BK][BQ]   one tile of scores, key-major, then its probabilities
+     acc     [BQ][evp]  output accumulator
+     kpack   [BK][ep]   key block copied contiguous
+     vpack   [BK][evp]  value block copied contiguous, zero padded
+     row_max, row_sum, alpha   [BQ]
+   ep = E and evp = Ev rounded up to 16. */
+typedef struct mh_scratch_layout {
+    int64_t ep, evp;
+    int64_t qt, st, acc, kpack, vpack, row_max, row_sum, alpha;
+    int64_t elems; /* total */
+} mh_scratch_layout;
+
+mh_scratch_layout mh_scratch_plan(int64_t head_dim, int64_t v_dim);
+
+/* Bytes between two threads' scratch areas: the plan's size in bytes of
+   `elem_size`, rounded up to MH_SCRATCH_ALIGN. */
+size_t mh_scratch_stride(int64_t head_dim, int64_t v_dim, size_t elem_size);
+
+/* `raw` rounded up to MH_SCRATCH_ALIGN; allocate MH_SCRATCH_ALIGN extra bytes. */
+void *mh_scratch_align(void *raw);
+
+/* CPU features that decide the kernel path (all zero off x86). */
+typedef struct mh_cpu_features {
+    unsigned avx : 1, fma : 1, f16c : 1, avx2 : 1, avx512f : 1;
+    unsigned os_ymm : 1; /* the OS saves YMM state */
+    unsigned os_zmm : 1; /* ... and opmask and ZMM state */
+} mh_cpu_features;
+
+mh_cpu_features mh_cpu_detect(void);
+
+/* Name of `isa` ("baseline", "avx2", "avx512"), NULL when out of range. */
+const char *mh_isa_name(int isa);
+
+/* The isa of preference rank `rank` (0 = best), -1 when out of range. */
+int mh_isa_by_preference(int rank);
 
 /* 1 if this CPU and OS can run `isa`, 0 otherwise. */
 int mh_cpu_supports(int isa);
@@ -119,14 +179,14 @@ int mh_isa_compiled(int isa);
 /* The kernels of `isa`, or NULL when not compiled in.  Does not check the CPU. */
 const mh_kernel_table *mh_kernels(int isa);
 
-/* Dropout stream: 64 pseudo-random bits for element (bh, i, j) of a call with
+/* Dropout stream: 64 pseudo-random bits for element (pair, i, j) of a call with
    the given seed.  The element is kept iff (bits >> 40) * 2^-24 >= p.
    Counter-based, so the same on every thread count and ISA path; the NumPy
    oracle implements the same function. */
-static inline uint64_t mh_dropout_bits(uint64_t seed, uint64_t bh, uint64_t i, uint64_t j,
+static inline uint64_t mh_dropout_bits(uint64_t seed, uint64_t pair, uint64_t i, uint64_t j,
                                        uint64_t q_len, uint64_t kv_len)
 {
-    uint64_t z = seed + ((bh * q_len + i) * kv_len + j) * UINT64_C(0x9E3779B97F4A7C15);
+    uint64_t z = seed + ((pair * q_len + i) * kv_len + j) * UINT64_C(0x9E3779B97F4A7C15);
     z = (z ^ (z >> 30)) * UINT64_C(0xBF58476D1CE4E5B9);
     z = (z ^ (z >> 27)) * UINT64_C(0x94D049BB133111EB);
     return z ^ (z >> 31);

@@ -4,7 +4,7 @@ import pytest
 
 import manyheads as mh
 from manyheads import oracle
-from manyheads.functional import _attention
+from manyheads import _core
 
 from conftest import atol_for, normal
 
@@ -97,11 +97,11 @@ def test_decode_schedule_matches_oracle_and_is_thread_invariant(rng, L, dtype):
     ref = oracle.scaled_dot_product_attention(q.astype(np.float64), k.astype(np.float64),
                                               v.astype(np.float64), is_causal=True,
                                               causal_offset=S - L)
-    outs = [_attention(q, k, v, causal_offset=S - L, scale=0.125, num_threads=n, split=True)
+    outs = [_core.attention(q, k, v, causal_offset=S - L, scale=0.125, num_threads=n, split=True)
             for n in (1, 2)]
     np.testing.assert_allclose(outs[0], ref, rtol=0, atol=atol_for(dtype))
     np.testing.assert_array_equal(outs[0], outs[1])
-    whole = _attention(q, k, v, causal_offset=S - L, scale=0.125, num_threads=2, split=False)
+    whole = _core.attention(q, k, v, causal_offset=S - L, scale=0.125, num_threads=2, split=False)
     np.testing.assert_allclose(outs[0], whole, rtol=0, atol=atol_for(dtype))
     public = mh.scaled_dot_product_attention(q, k, v)  # non-causal, also split
     np.testing.assert_allclose(public, oracle.scaled_dot_product_attention(
@@ -200,7 +200,7 @@ def test_float16_cache_halves_memory_and_matches_rounded_oracle(rng):
     q = normal(rng, (1, 4, 1, 8), np.float32)
     k = c16.keys[:, :, :1200].astype(np.float64)
     v = c16.values[:, :, :1200].astype(np.float64)
-    ours = _attention(q, c16.keys[:, :, :1200], c16.values[:, :, :1200], causal_offset=1199,
+    ours = _core.attention(q, c16.keys[:, :, :1200], c16.values[:, :, :1200], causal_offset=1199,
                       scale=0.3, num_threads=2)
     ref = oracle.scaled_dot_product_attention(q.astype(np.float64), k, v, is_causal=True,
                                               causal_offset=1199, scale=0.3)

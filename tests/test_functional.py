@@ -204,13 +204,13 @@ def test_inputs_are_not_modified(rng):
 
 
 def test_misaligned_buffers_are_copied_before_the_kernels_read_them(rng):
-    from manyheads.functional import _kernel_ready
+    from manyheads._core import kernel_ready
 
     buf = bytearray(4 * 2 * 40 * 16 + 1)
     q = np.frombuffer(buf, dtype=np.float32, count=2 * 40 * 16, offset=1).reshape(2, 40, 16)
     q[...] = rng.standard_normal(q.shape)
     assert not q.flags.aligned
-    ready = _kernel_ready(q)
+    ready = kernel_ready(q)
     assert ready.flags.aligned and ready.flags.c_contiguous
     out = mh.scaled_dot_product_attention(q, q, q, is_causal=True)
     np.testing.assert_allclose(out, reference(q, q, q, is_causal=True), rtol=0, atol=1e-5)

@@ -5,7 +5,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from manyheads.interop import GPT2  # noqa: E402
+from manyheads.models.gpt2 import GPT2  # noqa: E402
 import manyheads as mh  # noqa: E402
 
 

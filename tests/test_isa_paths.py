@@ -7,10 +7,10 @@ from pathlib import Path
 import pytest
 
 import manyheads as mh
-from manyheads import _kernels
+from manyheads import _config
 
 HERE = Path(__file__).parent
-RUNNABLE = [n for n in _kernels.ISA_NAMES if _kernels.isa_compiled(n) and _kernels.cpu_supports(n)]
+RUNNABLE = _config.runnable_isas()
 
 
 def run_python(code, isa):
@@ -42,7 +42,7 @@ def test_unknown_or_unsupported_path_is_a_clear_error():
     res = run_python("import manyheads", "sse9")
     assert res.returncode != 0 and "MANYHEADS_ISA='sse9'" in res.stderr
     assert "Segmentation" not in res.stderr
-    for isa in _kernels.ISA_NAMES:
+    for isa in _config.isa_names():
         if isa not in RUNNABLE:
             res = run_python("import manyheads", isa)
             assert res.returncode != 0 and ("does not support" in res.stderr or "has no" in res.stderr)
@@ -50,5 +50,6 @@ def test_unknown_or_unsupported_path_is_a_clear_error():
 
 def test_default_path_is_the_best_runnable_one():
     best = next(n for n in ("avx512", "avx2", "baseline") if n in RUNNABLE)
+    assert _config.isa_names() == ("avx512", "avx2", "baseline")
     if not os.environ.get("MANYHEADS_ISA"):
         assert mh.kernel_isa() == best

@@ -124,12 +124,9 @@ def test_two_threads_sharing_one_cache_get_a_clear_error():
     m = mh.MultiHeadAttention(16, 16, 64, 0.0, 2, seed=0)
     cache = m.new_cache(1, 64)
     x = np.ones((1, 1, 16), np.float32)
-    assert cache._busy.acquire(blocking=False)  # as if another thread were mid-call
-    try:
+    with cache.step(0):  # as if another thread were mid-call
         with pytest.raises(RuntimeError, match="in use by another call"):
             m(x, cache=cache)
-    finally:
-        cache._busy.release()
     assert len(cache) == 0
     m(x, cache=cache)
     assert len(cache) == 1

@@ -9,10 +9,25 @@ Two ways to build multi-head attention, checked against one NumPy oracle:
 
 :func:`scaled_dot_product_attention` is the functional core with PyTorch's
 semantics.  :mod:`manyheads.oracle` is the readable reference.
-"""
-__version__ = "0.1.0"
 
+Layout (who owns what):
+
+* ``functional``, ``modules``, ``cache`` - the public API; they check every
+  argument with the rules of ``_validate`` (TypeError for a wrong type,
+  ValueError for a wrong value) before anything runs;
+* ``_core`` - the checked-input core: folds broadcasting, grouped-query
+  sharing and strides into per-(batch, head) offset tables and fills one
+  ``_kernels.AttentionCall``;
+* ``_kernels`` (Cython) - the call object and the OpenMP schedule, GIL
+  released, no validation;
+* ``csrc/`` (C) - the arithmetic: one kernel source instantiated per ISA,
+  the run-time dispatcher, the scratch plan and the exp constants;
+* ``_config`` - kernel path and threads; ``interop`` - weights from PyTorch
+  modules; ``models`` - whole models on top of the modules.
+"""
 import os as _os
+
+from ._version import __version__
 
 
 def _load_kernels() -> None:

@@ -220,7 +220,7 @@ def read_bandwidth_gbs(threads: int) -> dict[str, float]:
 def decode_cases(threads: int, repeats: int, with_torch: bool,
                  lengths: tuple[int, ...] = (1024, 4096, 16384)) -> list[dict[str, Any]]:
     """One new query (q_len=1) against a cache of L keys, B=1, H=12, D=64 (microseconds)."""
-    from manyheads.functional import _attention
+    from manyheads import _core
 
     torch = _torch() if with_torch else None
     rows = []
@@ -231,7 +231,7 @@ def decode_cases(threads: int, repeats: int, with_torch: bool,
         k16, v16 = k.astype(np.float16), v.astype(np.float16)
         fns: dict[str, Callable[[], Any]] = {
             "float32": lambda: mh.scaled_dot_product_attention(q, k, v, num_threads=threads),
-            "float16": lambda: _attention(q, k16, v16, scale=0.125, num_threads=threads),
+            "float16": lambda: _core.attention(q, k16, v16, scale=0.125, num_threads=threads),
         }
         if torch is not None:
             torch.set_num_threads(threads)
@@ -260,7 +260,7 @@ mh.scaled_dot_product_attention(q[:, :, :64], k[:, :, :64], v[:, :, :64], is_cau
 base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 out = mh.scaled_dot_product_attention(q, k, v, is_causal=True)
 peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-print((peak - base) * 1024 - 0)
+print((peak - base) * 1024)
 """
 
 

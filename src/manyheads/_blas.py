@@ -58,9 +58,10 @@ def _pool(workers: int) -> ThreadPoolExecutor:
 
 @contextmanager
 def single_threaded_blas(rows: int | None = None) -> Iterator[bool]:
-    """Limit the BLAS to one thread for the duration; yields whether a limit is in force.
+    """Limit the BLAS to one thread for the duration; yields whether a limit is in force
+    (and so whether :func:`matmul` should run row chunks on several threads).
 
-    With ``rows`` below two chunks there is nothing to split and BLAS runs such
+    With ``rows`` below two chunks there is nothing to chunk and BLAS runs such
     small products on one thread anyway, so no limit is set (it costs ~10 us).
     """
     if rows is not None and rows < 2 * _MIN_ROWS_PER_CHUNK:
@@ -74,10 +75,10 @@ def single_threaded_blas(rows: int | None = None) -> Iterator[bool]:
         yield True
 
 
-def matmul(a: np.ndarray, w: np.ndarray, num_threads: int, split: bool) -> np.ndarray:
-    """``a @ w`` for a of shape (..., k): row chunks on ``num_threads`` threads when ``split``."""
+def matmul(a: np.ndarray, w: np.ndarray, num_threads: int, chunked: bool) -> np.ndarray:
+    """``a @ w`` for a of shape (..., k): row chunks on ``num_threads`` threads when ``chunked``."""
     rows = math.prod(a.shape[:-1])
-    chunks = min(num_threads, rows // _MIN_ROWS_PER_CHUNK) if split else 1
+    chunks = min(num_threads, rows // _MIN_ROWS_PER_CHUNK) if chunked else 1
     if chunks <= 1:
         product: np.ndarray = a @ w
         return product

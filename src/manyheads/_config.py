@@ -11,8 +11,15 @@ import threading
 from typing import TypedDict
 
 from . import _kernels
+from ._validate import check_int
+from ._version import __version__
 
-ISA_ORDER = ("avx512", "avx2", "baseline")  # best first
+
+def isa_names() -> tuple[str, ...]:
+    """Every kernel path manyheads knows, best first (from the C dispatcher)."""
+    names: tuple[str, ...] = _kernels.isa_names()
+    return names
+
 
 
 class _State(TypedDict):
@@ -27,10 +34,10 @@ _state: _State = {"num_threads": None, "isa": None, "isa_forced": False}
 def _choose_isa() -> str:
     forced = os.environ.get("MANYHEADS_ISA", "").strip().lower()
     if forced:
-        if forced not in _kernels.ISA_NAMES:
+        if forced not in isa_names():
             raise ImportError(
                 f"MANYHEADS_ISA={forced!r} is not a kernel path; expected one of "
-                f"{', '.join(_kernels.ISA_NAMES)}"
+                f"{', '.join(isa_names())}"
             )
         if not _kernels.isa_compiled(forced):
             raise ImportError(f"MANYHEADS_ISA={forced!r}: this build has no {forced} kernels")
@@ -38,10 +45,12 @@ def _choose_isa() -> str:
             raise ImportError(f"MANYHEADS_ISA={forced!r}: this CPU does not support {forced}")
         _state["isa_forced"] = True
         return forced
-    for name in ISA_ORDER:
-        if _kernels.isa_compiled(name) and _kernels.cpu_supports(name):
-            return name
-    return "baseline"
+    return runnable_isas()[0]
+
+
+def runnable_isas() -> list[str]:
+    """Kernel paths compiled in that this CPU can run, best first."""
+    return [n for n in isa_names() if _kernels.isa_compiled(n) and _kernels.cpu_supports(n)]
 
 
 def _init() -> None:
@@ -76,13 +85,7 @@ def get_num_threads() -> int:
 
 
 def check_num_threads(n: object, name: str = "num_threads") -> int:
-    import numbers
-
-    if isinstance(n, bool) or not isinstance(n, numbers.Integral):
-        raise TypeError(f"{name} must be a positive int, got {type(n).__name__}")
-    if int(n) < 1:
-        raise ValueError(f"{name} must be at least 1, got {int(n)}")
-    return int(n)
+    return check_int(n, name, 1)
 
 
 _CPUS = os.cpu_count() or 1
@@ -131,17 +134,12 @@ class kernel_call:
 def config() -> dict[str, object]:
     import numpy as np
 
-    from . import __version__
-
     return {
         "version": __version__,
         "kernel_isa": kernel_isa(),
         "isa_forced_by_env": bool(_state["isa_forced"]),
-        "isa_compiled": [n for n in _kernels.ISA_NAMES if _kernels.isa_compiled(n)],
-        "isa_supported_by_cpu": [
-            n for n in _kernels.ISA_NAMES
-            if _kernels.isa_compiled(n) and _kernels.cpu_supports(n)
-        ],
+        "isa_compiled": [n for n in isa_names() if _kernels.isa_compiled(n)],
+        "isa_supported_by_cpu": runnable_isas(),
         "openmp": bool(_kernels.openmp_enabled()),
         "openmp_version": int(_kernels.openmp_version()),
         "num_threads": get_num_threads(),

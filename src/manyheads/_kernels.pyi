@@ -5,14 +5,15 @@ import numpy as np
 import numpy.typing as npt
 
 _Float = TypeVar("_Float", np.float32, np.float64)
+_FloatArray = npt.NDArray[np.float32] | npt.NDArray[np.float64]
+_Offsets = npt.NDArray[np.int64]
 
-ISA_NAMES: tuple[str, str, str]
 BLOCK_Q: int
 BLOCK_K: int
-DOT_ROWS: int
-MASK_NONE: int
-MASK_BOOL: int
-MASK_ADD: int
+FEW_ROWS: int
+
+def isa_names() -> tuple[str, ...]:
+    """Every kernel path this source knows, best first (whether compiled in or not)."""
 
 def isa_compiled(name: str) -> bool:
     """True if the build contains the kernels for ISA ``name``."""
@@ -23,56 +24,46 @@ def cpu_supports(name: str) -> bool:
 def set_isa(name: str) -> None:
     """Route all later calls to the kernels of ``name`` (caller has checked support)."""
 
+def current_isa() -> str: ...
 @overload
 def vector_exp(x: npt.NDArray[_Float]) -> npt.NDArray[_Float]:
     """exp of a contiguous float32/float64 array through the current path's vector exp."""
 
 @overload
-def vector_exp(x: npt.ArrayLike) -> npt.NDArray[np.float32] | npt.NDArray[np.float64]: ...
-def current_isa() -> str: ...
+def vector_exp(x: npt.ArrayLike) -> _FloatArray: ...
 def openmp_enabled() -> bool: ...
 def openmp_version() -> int: ...
 def omp_max_threads() -> int: ...
-def batch_offsets(view: npt.NDArray[Any], n_batch: int) -> npt.NDArray[np.int64]:
+def batch_offsets(view: npt.NDArray[Any], n_batch: int) -> _Offsets:
     """Element offsets of every index over the first ``n_batch`` axes (C order), as int64."""
 
-def attention_forward(
-    q: npt.NDArray[np.float32] | npt.NDArray[np.float64],
-    q_off: npt.NDArray[np.int64],
-    q_row: int,
-    k: npt.NDArray[Any],
-    k_off: npt.NDArray[np.int64],
-    k_row: int,
-    v: npt.NDArray[Any],
-    v_off: npt.NDArray[np.int64],
-    v_row: int,
-    out: npt.NDArray[np.float32] | npt.NDArray[np.float64],
-    out_off: npt.NDArray[np.int64],
-    out_row: int,
-    mask_kind: int,
-    mask: npt.NDArray[Any] | None,
-    mask_off: npt.NDArray[np.int64] | None,
-    mask_row: int,
-    mask_col: int,
-    q_len: int,
-    kv_len: int,
-    head_dim: int,
-    v_dim: int,
-    causal: bool,
-    causal_offset: int,
-    window: int,
-    kv_half: bool,
-    scale: float,
-    dropout_p: float,
-    seed: int,
-    weights: npt.NDArray[np.float32] | npt.NDArray[np.float64] | None,
-    split_keys: int,
-    num_threads: int,
-) -> None:
-    """Run every work item of one attention call; q and out share one float dtype.
+class AttentionCall:
+    """The arguments of one attention call, kept as the C struct the kernels read.
 
-    k and v are float32/float64 like q, or the raw bits of float16 viewed as
-    uint16 when ``kv_half``; ``mask`` is bool or q's float dtype (``None`` and
-    ``mask_off=None`` with ``MASK_NONE``).  Offsets are int64 tables, one entry
-    per (batch, head) pair; offsets and strides are in elements.
+    Every operand is (pairs, rows, cols) addressed through a per-pair offset
+    table and a row stride, in elements; queries, output, weights and a float
+    mask have the call's float type (float64 if ``float64`` else float32).
     """
+
+    def __init__(self, float64: bool, n_pairs: int, q_len: int, kv_len: int, head_dim: int,
+                 v_dim: int) -> None: ...
+    def set_query(self, q: _FloatArray, offsets: _Offsets, row: int) -> None: ...
+    def set_keys_values(self, k: npt.NDArray[Any], k_offsets: _Offsets, k_row: int,
+                        v: npt.NDArray[Any], v_offsets: _Offsets, v_row: int,
+                        float16: bool = ...) -> None:
+        """Keys and values in the call's float type, or float16 bits as uint16 when ``float16``."""
+
+    def set_output(self, out: _FloatArray, offsets: _Offsets, row: int) -> None: ...
+    def set_mask(self, mask: npt.NDArray[Any], offsets: _Offsets, row: int, col: int) -> None:
+        """A bool (True = may attend) or additive float mask (pairs, L, S); strides may be 0."""
+
+    def set_causal(self, offset: int, window: int = ...) -> None:
+        """Query i sees keys j <= i + offset (and j > i + offset - window if window > 0)."""
+
+    def set_scale(self, scale: float) -> None: ...
+    def set_dropout(self, p: float, seed: int) -> None: ...
+    def set_weights(self, weights: _FloatArray) -> None:
+        """Dense (pairs, L, S) C-contiguous zeros, filled with the attention weights."""
+
+    def run(self, num_threads: int, split_keys: int = ...) -> None:
+        """Run every work item on up to ``num_threads`` threads (``split_keys``: decode schedule)."""

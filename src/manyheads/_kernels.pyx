@@ -1,13 +1,16 @@
 # cython: language_level=3, boundscheck=False, wraparound=False, initializedcheck=False, cdivision=True
 """Thin scheduling layer over the C kernels in ``csrc/``.
 
-Takes data pointers, per-(batch, head) offset tables and row strides (all in
-elements) and runs the work items of one attention call over an OpenMP thread
-team with the GIL released.  Performs no validation: ``manyheads.functional``
-checks everything before calling in here.
+One typed call object, :class:`AttentionCall`, owns the C argument struct of
+one attention call: the Python core (``manyheads._core``) fills it through
+named setters (operands with their offset tables and row strides, mask,
+causal structure, dropout, weights) and :meth:`AttentionCall.run` runs the
+work items over an OpenMP thread team with the GIL released.  Nothing here
+validates: ``manyheads._core`` has checked everything before it builds a call.
 """
 from cython.parallel cimport parallel, prange, threadid
-from libc.stdint cimport int64_t, uint64_t, uintptr_t
+from libc.stdint cimport int64_t, uint64_t
+from libc.stdlib cimport free, malloc
 
 cimport numpy as cnp
 import numpy as np
@@ -18,61 +21,66 @@ cdef extern from "mh_kernels.h" nogil:
     enum:
         MH_BLOCK_Q
         MH_BLOCK_K
-        MH_DOT_ROWS
+        MH_FEW_ROWS
+        MH_SCRATCH_ALIGN
         MH_MASK_NONE
         MH_MASK_BOOL
         MH_MASK_ADD
-        MH_ISA_BASELINE
-        MH_ISA_AVX2
-        MH_ISA_AVX512
+        MH_KV_NATIVE
+        MH_KV_F16
         MH_ISA_COUNT
 
-    ctypedef struct mh_attn_args:
-        int64_t n_bh, q_len, kv_len, head_dim, v_dim
-        const void *q
-        const int64_t *q_off
-        int64_t q_row
-        const void *k
-        const int64_t *k_off
-        int64_t k_row
-        const void *v
-        const int64_t *v_off
-        int64_t v_row
-        void *out
-        const int64_t *out_off
-        int64_t out_row
-        int mask_kind
-        const void *mask
-        const int64_t *mask_off
-        int64_t mask_row, mask_col
-        int causal
-        int64_t causal_offset
+    ctypedef struct mh_operand:
+        const void *base
+        const int64_t *off
+        int64_t row
+        int64_t col
+
+    ctypedef struct mh_causal:
+        int enabled
+        int64_t offset
         int64_t window
-        int kv_half
+
+    ctypedef struct mh_key_split:
+        int64_t n_split, split_keys
+        void *acc
+        void *row_max
+        void *row_sum
+
+    ctypedef struct mh_attn_args:
+        int64_t n_pairs, q_len, kv_len, head_dim, v_dim
+        mh_operand q, k, v, out, mask
+        int kv_format
+        int mask_kind
+        mh_causal causal
         double scale
         double dropout_p
         uint64_t seed
         void *weights
-        int64_t n_split, split_keys
-        void *part_acc
-        void *part_max
-        void *part_sum
+        mh_key_split split
 
-    ctypedef void (*mh_fwd_item_fn)(const mh_attn_args *args, int64_t bh, int64_t q_start,
-                                    void *scratch) noexcept nogil
+    ctypedef void (*mh_block_fn)(const mh_attn_args *args, int64_t pair, int64_t q_start,
+                                 void *scratch) noexcept nogil
+    ctypedef void (*mh_split_fn)(const mh_attn_args *args, int64_t pair, int64_t key_range,
+                                 void *scratch) noexcept nogil
+    ctypedef void (*mh_merge_fn)(const mh_attn_args *args, int64_t pair,
+                                 void *scratch) noexcept nogil
 
     ctypedef struct mh_kernel_table:
         const char *name
-        mh_fwd_item_fn fwd_f32
-        mh_fwd_item_fn fwd_f64
-        mh_fwd_item_fn split_f32
-        mh_fwd_item_fn split_f64
-        mh_fwd_item_fn merge_f32
-        mh_fwd_item_fn merge_f64
+        mh_block_fn block_f32
+        mh_block_fn block_f64
+        mh_split_fn split_f32
+        mh_split_fn split_f64
+        mh_merge_fn merge_f32
+        mh_merge_fn merge_f64
         void (*exp_f32)(const float *x, float *y, int64_t n) noexcept nogil
         void (*exp_f64)(const double *x, double *y, int64_t n) noexcept nogil
 
-    size_t mh_scratch_bytes(int64_t head_dim, int64_t v_dim, size_t elem_size)
+    size_t mh_scratch_stride(int64_t head_dim, int64_t v_dim, size_t elem_size)
+    void *mh_scratch_align(void *raw)
+    const char *mh_isa_name(int isa)
+    int mh_isa_by_preference(int rank)
     int mh_cpu_supports(int isa)
     int mh_isa_compiled(int isa)
     const mh_kernel_table *mh_kernels(int isa)
@@ -83,34 +91,47 @@ cdef extern from "mh_openmp.h" nogil:
     int mh_omp_version()
 
 
-ISA_NAMES = ("baseline", "avx2", "avx512")
 BLOCK_Q = MH_BLOCK_Q
 BLOCK_K = MH_BLOCK_K
-DOT_ROWS = MH_DOT_ROWS
-MASK_NONE = MH_MASK_NONE
-MASK_BOOL = MH_MASK_BOOL
-MASK_ADD = MH_MASK_ADD
+FEW_ROWS = MH_FEW_ROWS
 
-cdef const mh_kernel_table *_table = mh_kernels(MH_ISA_BASELINE)
+cdef const mh_kernel_table *_table = mh_kernels(0)
+
+
+cdef int _isa_index(str name) except -1:
+    cdef int i
+    for i in range(MH_ISA_COUNT):
+        if mh_isa_name(i).decode() == name:
+            return i
+    raise ValueError(f"unknown kernel path {name!r}")
+
+
+def isa_names():
+    """Every kernel path this source knows, best first (whether compiled in or not)."""
+    return tuple(mh_isa_name(mh_isa_by_preference(r)).decode() for r in range(MH_ISA_COUNT))
 
 
 def isa_compiled(str name):
     """True if the build contains the kernels for ISA ``name``."""
-    return bool(mh_isa_compiled(ISA_NAMES.index(name)))
+    return bool(mh_isa_compiled(_isa_index(name)))
 
 
 def cpu_supports(str name):
     """True if this CPU and OS can run the kernels for ISA ``name``."""
-    return bool(mh_cpu_supports(ISA_NAMES.index(name)))
+    return bool(mh_cpu_supports(_isa_index(name)))
 
 
 def set_isa(str name):
     """Route all later calls to the kernels of ``name`` (caller has checked support)."""
     global _table
-    cdef const mh_kernel_table *t = mh_kernels(ISA_NAMES.index(name))
+    cdef const mh_kernel_table *t = mh_kernels(_isa_index(name))
     if t == NULL:
         raise RuntimeError(f"kernel path {name!r} is not compiled into this build")
     _table = t
+
+
+def current_isa():
+    return _table.name.decode()
 
 
 def vector_exp(x):
@@ -124,10 +145,6 @@ def vector_exp(x):
     else:
         raise TypeError("x must be float32 or float64")
     return y
-
-
-def current_isa():
-    return _table.name.decode()
 
 
 def openmp_enabled():
@@ -164,117 +181,141 @@ def batch_offsets(cnp.ndarray view, int n_batch):
     return out
 
 
-cdef inline const void *_ptr(object arr):
-    return <const void *>cnp.PyArray_DATA(<cnp.ndarray>arr)
+cdef inline void *_data(object arr):
+    return cnp.PyArray_DATA(<cnp.ndarray>arr)
 
 
-def attention_forward(q, const int64_t[::1] q_off, int64_t q_row,
-                      k, const int64_t[::1] k_off, int64_t k_row,
-                      v, const int64_t[::1] v_off, int64_t v_row,
-                      out, const int64_t[::1] out_off, int64_t out_row,
-                      int mask_kind, mask, const int64_t[::1] mask_off,
-                      int64_t mask_row, int64_t mask_col,
-                      int64_t q_len, int64_t kv_len, int64_t head_dim, int64_t v_dim,
-                      bint causal, int64_t causal_offset, int64_t window, bint kv_half,
-                      double scale, double dropout_p, uint64_t seed, weights,
-                      int64_t split_keys, int num_threads):
-    """Run every work item of one attention call; q and out share one float dtype.
+cdef class AttentionCall:
+    """The arguments of one attention call, kept as the C struct the kernels read.
 
-    Offsets and strides are in elements relative to each array's data pointer.
-    ``split_keys > 0`` selects the decode schedule (q_len <= BLOCK_Q): keys cut
-    into ranges of that many, attended in parallel, merged in a fixed order.
+    Arrays handed to the setters are referenced until the call object dies, so
+    the pointers stay valid.  Offsets and strides are in elements.
     """
     cdef mh_attn_args a
-    cdef int64_t n_bh = q_off.shape[0]
-    cdef int64_t n_qb = (q_len + MH_BLOCK_Q - 1) // MH_BLOCK_Q
-    cdef int64_t n_items
-    cdef bint is_f64 = (<cnp.ndarray>out).dtype.itemsize == 8
-    cdef mh_fwd_item_fn fn = _table.fwd_f64 if is_f64 else _table.fwd_f32
-    cdef mh_fwd_item_fn merge_fn = _table.merge_f64 if is_f64 else _table.merge_f32
-    cdef size_t item_bytes, stride_bytes
-    cdef int64_t it, bh, qb, n_split = 0
-    cdef char *scratch_base
-    cdef int nt = num_threads
+    cdef bint is_f64
+    cdef list _keep
 
-    if n_bh == 0 or q_len == 0:
-        return
-    a.n_bh = n_bh
-    a.q_len = q_len
-    a.kv_len = kv_len
-    a.head_dim = head_dim
-    a.v_dim = v_dim
-    a.q = _ptr(q)
-    a.q_off = &q_off[0]
-    a.q_row = q_row
-    a.k = _ptr(k)
-    a.k_off = &k_off[0]
-    a.k_row = k_row
-    a.v = _ptr(v)
-    a.v_off = &v_off[0]
-    a.v_row = v_row
-    a.out = <void *>_ptr(out)
-    a.out_off = &out_off[0]
-    a.out_row = out_row
-    a.mask_kind = mask_kind
-    a.mask = _ptr(mask) if mask_kind != MH_MASK_NONE else NULL
-    a.mask_off = &mask_off[0] if mask_kind != MH_MASK_NONE else NULL
-    a.mask_row = mask_row
-    a.mask_col = mask_col
-    a.causal = causal
-    a.causal_offset = causal_offset
-    a.window = window
-    a.kv_half = kv_half
-    a.scale = scale
-    a.dropout_p = dropout_p
-    a.seed = seed
-    a.weights = <void *>_ptr(weights) if weights is not None else NULL
-    a.n_split = 0
-    a.split_keys = 0
-    a.part_acc = NULL
-    a.part_max = NULL
-    a.part_sum = NULL
+    def __init__(self, bint float64, int64_t n_pairs, int64_t q_len, int64_t kv_len,
+                 int64_t head_dim, int64_t v_dim):
+        self.is_f64 = float64
+        self._keep = []
+        self.a.n_pairs = n_pairs
+        self.a.q_len = q_len
+        self.a.kv_len = kv_len
+        self.a.head_dim = head_dim
+        self.a.v_dim = v_dim
+        self.a.scale = 1.0
+        self.a.kv_format = MH_KV_NATIVE
+        self.a.mask_kind = MH_MASK_NONE
 
-    if split_keys > 0:
-        n_split = (kv_len + split_keys - 1) // split_keys
-        a.n_split = n_split
-        a.split_keys = split_keys
-        dt = (<cnp.ndarray>out).dtype
-        part_acc = np.empty(n_bh * n_split * q_len * v_dim, dtype=dt)
-        part_max = np.empty(n_bh * n_split * q_len, dtype=dt)
-        part_sum = np.empty(n_bh * n_split * q_len, dtype=dt)
-        a.part_acc = <void *>cnp.PyArray_DATA(part_acc)
-        a.part_max = <void *>cnp.PyArray_DATA(part_max)
-        a.part_sum = <void *>cnp.PyArray_DATA(part_sum)
-        fn = _table.split_f64 if is_f64 else _table.split_f32
-        n_items = n_bh * n_split
-    else:
-        n_items = n_bh * n_qb
+    cdef int _operand(self, mh_operand *op, arr, offsets, int64_t row, int64_t col) except -1:
+        cdef const int64_t[::1] off = offsets
+        self._keep += [arr, offsets]
+        op.base = _data(arr)
+        op.off = &off[0] if off.shape[0] else NULL
+        op.row = row
+        op.col = col
+        return 0
 
-    if nt > n_items:
-        nt = <int>n_items
-    if nt < 1:
-        nt = 1
-    item_bytes = mh_scratch_bytes(head_dim, v_dim, 8 if is_f64 else 4)
-    stride_bytes = (item_bytes + 63) // 64 * 64
-    scratch = np.empty(stride_bytes * nt + 64, dtype=np.uint8)
-    scratch_base = <char *>cnp.PyArray_DATA(scratch)
-    scratch_base += (64 - (<uintptr_t>scratch_base) % 64) % 64
+    def set_query(self, q, offsets, int64_t row):
+        """Queries (pairs, L, E) in the call's float type."""
+        self._operand(&self.a.q, q, offsets, row, 1)
 
-    if split_keys > 0:
-        # every (pair, key range) on its own, then each pair's ranges merged in order
-        with nogil, parallel(num_threads=nt):
-            for it in prange(n_items, schedule="dynamic", chunksize=1):
-                fn(&a, it // n_split, it % n_split, scratch_base + threadid() * stride_bytes)
-        with nogil, parallel(num_threads=nt if nt < n_bh else <int>n_bh):
-            for it in prange(n_bh, schedule="static"):
-                merge_fn(&a, it, 0, scratch_base + threadid() * stride_bytes)
-        return
+    def set_keys_values(self, k, k_offsets, int64_t k_row, v, v_offsets, int64_t v_row,
+                        bint float16=False):
+        """Keys (pairs, S, E) and values (pairs, S, Ev): the call's float type, or
+        float16 bits viewed as uint16 (widened by the kernels) when ``float16``."""
+        self._operand(&self.a.k, k, k_offsets, k_row, 1)
+        self._operand(&self.a.v, v, v_offsets, v_row, 1)
+        self.a.kv_format = MH_KV_F16 if float16 else MH_KV_NATIVE
 
-    # Items go out one at a time, pair by pair (so the threads share one pair's
-    # keys and values in cache) and, within a pair, heaviest query block (the
-    # bottom of the causal triangle) first, so no thread idles at the end.
-    with nogil, parallel(num_threads=nt):
-        for it in prange(n_items, schedule="dynamic", chunksize=1):
-            bh = it // n_qb
-            qb = n_qb - 1 - it % n_qb
-            fn(&a, bh, qb * MH_BLOCK_Q, scratch_base + threadid() * stride_bytes)
+    def set_output(self, out, offsets, int64_t row):
+        """Output (pairs, L, Ev) in the call's float type, written by the kernels."""
+        self._operand(&self.a.out, out, offsets, row, 1)
+
+    def set_mask(self, mask, offsets, int64_t row, int64_t col):
+        """Mask (pairs, L, S): bool (True = may attend) or the call's float type (added)."""
+        self._operand(&self.a.mask, mask, offsets, row, col)
+        self.a.mask_kind = MH_MASK_BOOL if mask.dtype == np.bool_ else MH_MASK_ADD
+
+    def set_causal(self, int64_t offset, int64_t window=0):
+        """Query i sees keys j <= i + offset (and j > i + offset - window if window > 0)."""
+        self.a.causal.enabled = 1
+        self.a.causal.offset = offset
+        self.a.causal.window = window
+
+    def set_scale(self, double scale):
+        self.a.scale = scale
+
+    def set_dropout(self, double p, uint64_t seed):
+        self.a.dropout_p = p
+        self.a.seed = seed
+
+    def set_weights(self, weights):
+        """Dense (pairs, L, S) C-contiguous zeros of the call's float type, filled by the run."""
+        self._keep.append(weights)
+        self.a.weights = _data(weights)
+
+    def run(self, int num_threads, int64_t split_keys=0):
+        """Run every work item on up to ``num_threads`` OpenMP threads, GIL released.
+
+        ``split_keys > 0`` selects the split-key schedule (q_len <= BLOCK_Q):
+        keys cut into ranges of that many, attended in parallel, merged in a
+        fixed order.
+        """
+        cdef int64_t n_pairs = self.a.n_pairs, q_len = self.a.q_len
+        cdef int64_t n_blocks = (q_len + MH_BLOCK_Q - 1) // MH_BLOCK_Q
+        cdef int64_t n_items, n_split = 0, it, pair, blk
+        cdef size_t elem = 8 if self.is_f64 else 4, stride
+        cdef mh_block_fn block_fn = _table.block_f64 if self.is_f64 else _table.block_f32
+        cdef mh_split_fn split_fn = _table.split_f64 if self.is_f64 else _table.split_f32
+        cdef mh_merge_fn merge_fn = _table.merge_f64 if self.is_f64 else _table.merge_f32
+        cdef int nt = num_threads
+        cdef void *raw
+        cdef char *scratch
+        cdef mh_attn_args *a = &self.a
+
+        if n_pairs == 0 or q_len == 0:
+            return
+        if split_keys > 0:
+            n_split = (self.a.kv_len + split_keys - 1) // split_keys
+            dt = np.float64 if self.is_f64 else np.float32
+            parts = np.empty(n_pairs * n_split * q_len * (self.a.v_dim + 2), dtype=dt)
+            self._keep.append(parts)
+            self.a.split.n_split = n_split
+            self.a.split.split_keys = split_keys
+            self.a.split.acc = _data(parts)
+            self.a.split.row_max = <char *>_data(parts) + elem * n_pairs * n_split * q_len * self.a.v_dim
+            self.a.split.row_sum = <char *>self.a.split.row_max + elem * n_pairs * n_split * q_len
+            n_items = n_pairs * n_split
+        else:
+            n_items = n_pairs * n_blocks
+        if nt > n_items:
+            nt = <int>n_items
+        if nt < 1:
+            nt = 1
+        stride = mh_scratch_stride(self.a.head_dim, self.a.v_dim, elem)
+        raw = malloc(stride * nt + MH_SCRATCH_ALIGN)
+        if raw == NULL:
+            raise MemoryError("cannot allocate the kernels' scratch")
+        scratch = <char *>mh_scratch_align(raw)
+        try:
+            if split_keys > 0:
+                # every (pair, key range) on its own, then each pair's ranges merged in order
+                with nogil, parallel(num_threads=nt):
+                    for it in prange(n_items, schedule="dynamic", chunksize=1):
+                        split_fn(a, it // n_split, it % n_split, scratch + threadid() * stride)
+                with nogil, parallel(num_threads=nt if nt < n_pairs else <int>n_pairs):
+                    for it in prange(n_pairs, schedule="static"):
+                        merge_fn(a, it, scratch + threadid() * stride)
+                return
+            # Items go out one at a time, pair by pair (so the threads share one pair's
+            # keys and values in cache) and, within a pair, heaviest query block (the
+            # bottom of the causal triangle) first, so no thread idles at the end.
+            with nogil, parallel(num_threads=nt):
+                for it in prange(n_items, schedule="dynamic", chunksize=1):
+                    pair = it // n_blocks
+                    blk = n_blocks - 1 - it % n_blocks
+                    block_fn(a, pair, blk * MH_BLOCK_Q, scratch + threadid() * stride)
+        finally:
+            free(raw)

@@ -24,9 +24,12 @@ from typing import Any, Iterator
 
 import numpy as np
 
-from .functional import _attention
+from . import _core
+from ._validate import check_int, check_optional_int
 
-__all__ = ["KVCache"]
+__all__ = ["KVCache", "CacheStep"]
+
+_STORAGE = (np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64))
 
 
 class KVCache:
@@ -48,18 +51,23 @@ class KVCache:
 
     def __init__(self, batch_size: int, max_len: int, num_kv_heads: int, head_dim: int,
                  dtype: Any = np.float32, *, window: int | None = None) -> None:
-        for name, value in (("batch_size", batch_size), ("max_len", max_len),
-                            ("num_kv_heads", num_kv_heads), ("head_dim", head_dim)):
-            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
-        dt = np.dtype(dtype)
-        if dt not in (np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64)):
+        batch_size = check_int(batch_size, "batch_size", 1)
+        max_len = check_int(max_len, "max_len", 1)
+        num_kv_heads = check_int(num_kv_heads, "num_kv_heads", 1)
+        head_dim = check_int(head_dim, "head_dim", 1)
+        window = check_optional_int(window, "window", 1)
+        try:
+            dt = np.dtype(dtype)
+        except TypeError:
+            raise TypeError(f"cache dtype must be float16, float32 or float64, got {dtype!r}"
+                            ) from None
+        if dt not in _STORAGE:
             raise TypeError(f"cache dtype must be float16, float32 or float64, got {dt}")
         self.batch_size = int(batch_size)
         self.max_len = int(max_len)
         self.num_kv_heads = int(num_kv_heads)
         self.head_dim = int(head_dim)
-        self.window = None if window is None else int(window)
+        self.window = window
         self.capacity = self.max_len if self.window is None else min(self.max_len, self.window)
         shape = (self.batch_size, self.num_kv_heads, self.capacity, self.head_dim)
         self.keys: np.ndarray = np.zeros(shape, dtype=dt)
@@ -94,9 +102,10 @@ class KVCache:
         self.padding[...] = False
         self._any_padding = False
 
-    # -- used by the modules -------------------------------------------------------------
-    def _check_compatible(self, batch: int, num_kv_heads: int, head_dim: int, dtype: np.dtype,
-                          window: int | None, new_tokens: int) -> None:
+    # -- the modules' side ---------------------------------------------------------------
+    def check_compatible(self, *, batch: int, num_kv_heads: int, head_dim: int,
+                         dtype: np.dtype, window: int | None, new_tokens: int) -> None:
+        """ValueError/TypeError unless a module with these properties may append here."""
         if (self.num_kv_heads, self.head_dim) != (num_kv_heads, head_dim):
             raise ValueError(
                 f"cache holds {self.num_kv_heads} kv heads of size {self.head_dim}; the module "
@@ -114,23 +123,53 @@ class KVCache:
                 f"cache is full: {self._len} tokens + {new_tokens} new > max_len={self.max_len}"
             )
 
-    def _attend(self, q: np.ndarray, k_new: np.ndarray, v_new: np.ndarray,
-                pad_new: np.ndarray | None, heads: slice, *, scale: float, num_threads: int,
-                out: np.ndarray | None, return_weights: bool, dropout_p: float = 0.0,
-                seed: int = 0) -> Any:
-        """Attend q (B, Hq, T, D) to the cached keys plus the T new ones of kv heads `heads`.
+    @contextmanager
+    def step(self, new_tokens: int, key_padding_mask: np.ndarray | None = None
+             ) -> Iterator[CacheStep]:
+        """Hold the cache for one decoding step that appends ``new_tokens`` tokens.
 
-        Writes the new keys/values/padding into the cache but does not advance
-        its length (the caller commits once every head is done).
+        Inside, :meth:`CacheStep.attend` appends keys and values (per group of
+        kv heads) and attends over everything cached; when the block ends
+        without an exception the cache's length advances by ``new_tokens``.
+        A second caller while a step is open gets RuntimeError.
         """
+        if not self._busy.acquire(blocking=False):
+            raise RuntimeError("KVCache is in use by another call: a cache belongs to one "
+                               "decoding stream (give each thread its own cache)")
+        try:
+            yield CacheStep(self, new_tokens, key_padding_mask)
+            self._len += new_tokens
+            if key_padding_mask is not None and key_padding_mask.any():
+                self._any_padding = True
+        finally:
+            self._busy.release()
+
+
+class CacheStep:
+    """One open step of a :class:`KVCache` (see :meth:`KVCache.step`)."""
+
+    def __init__(self, cache: KVCache, new_tokens: int, pad_new: np.ndarray | None) -> None:
+        self.cache = cache
+        self.new_tokens = new_tokens
+        self.pad_new = pad_new
+
+    def attend(self, q: np.ndarray, k_new: np.ndarray, v_new: np.ndarray,
+               heads: slice = slice(None), *, scale: float, num_threads: int,
+               out: np.ndarray | None = None, return_weights: bool = False,
+               dropout_p: float = 0.0, seed: int = 0) -> Any:
+        """Attend q (B, Hq, T, D) to the cached keys plus the T new ones of kv heads ``heads``.
+
+        Writes the new keys, values and padding into the cache; the length
+        advances when the step ends.
+        """
+        c, pad_new = self.cache, self.pad_new
         T = k_new.shape[2]
-        past, cap = self._len, self.capacity
-        K, V, P = self.keys[:, heads], self.values[:, heads], self.padding
-        gqa = q.shape[1] != K.shape[1]
+        past, cap = c._len, c.capacity
+        K, V, P = c.keys[:, heads], c.values[:, heads], c.padding
         kw: dict[str, Any] = dict(scale=scale, num_threads=num_threads, out=out,
                                   return_weights=return_weights, dropout_p=dropout_p, seed=seed,
-                                  enable_gqa=gqa)
-        any_pad = self._any_padding or (pad_new is not None and bool(pad_new.any()))
+                                  enable_gqa=q.shape[1] != K.shape[1])
+        any_pad = c._any_padding or (pad_new is not None and bool(pad_new.any()))
         if past + T <= cap:
             # no wrap: slot == position
             K[:, :, past:past + T] = k_new
@@ -139,9 +178,9 @@ class KVCache:
                 P[:, past:past + T] = pad_new
             n = past + T
             mask = ~P[:, None, None, :n] if any_pad else None
-            return _attention(q, K[:, :, :n], V[:, :, :n], mask=mask, causal_offset=past,
-                              window=self.window, **kw)
-        assert self.window is not None  # only a windowed cache is smaller than max_len
+            return _core.attention(q, K[:, :, :n], V[:, :, :n], mask=mask, causal_offset=past,
+                                   window=c.window, **kw)
+        assert c.window is not None  # only a windowed cache is smaller than max_len
         if T == 1:
             # the ring holds exactly the window of the new query: every slot is visible
             slot = past % cap
@@ -149,7 +188,7 @@ class KVCache:
             V[:, :, slot] = v_new[:, :, 0]
             P[:, slot] = False if pad_new is None else pad_new[:, 0]
             mask = ~P[:, None, None, :] if any_pad else None
-            return _attention(q, K, V, mask=mask, causal_offset=None, **kw)
+            return _core.attention(q, K, V, mask=mask, causal_offset=None, **kw)
         # several new tokens past the window: lay the old window out in order, then attend
         n_old = min(past, cap - 1)
         pos = np.arange(past - n_old, past)
@@ -157,31 +196,11 @@ class KVCache:
         Vc = np.concatenate([V[:, :, pos % cap], v_new.astype(V.dtype)], axis=2)
         Pc = np.concatenate([P[:, pos % cap], np.zeros((P.shape[0], T), bool)
                              if pad_new is None else pad_new], axis=1)
-        res = _attention(q, Kc, Vc, mask=~Pc[:, None, None, :] if any_pad else None,
-                         causal_offset=n_old, window=self.window, **kw)
+        res = _core.attention(q, Kc, Vc, mask=~Pc[:, None, None, :] if any_pad else None,
+                              causal_offset=n_old, window=c.window, **kw)
         keep = min(T, cap)
         slots = np.arange(past + T - keep, past + T) % cap
         K[:, :, slots] = k_new[:, :, T - keep:]
         V[:, :, slots] = v_new[:, :, T - keep:]
         P[:, slots] = False if pad_new is None else pad_new[:, T - keep:]
         return res
-
-    def _commit(self, new_tokens: int, pad_new: np.ndarray | None) -> None:
-        self._len += new_tokens
-        if pad_new is not None and pad_new.any():
-            self._any_padding = True
-
-
-@contextmanager
-def in_use(cache: Any) -> Iterator[None]:
-    """Hold ``cache`` for one module call; a second concurrent user gets RuntimeError."""
-    if not isinstance(cache, KVCache):
-        yield
-        return
-    if not cache._busy.acquire(blocking=False):
-        raise RuntimeError("KVCache is in use by another call: a cache belongs to one decoding "
-                           "stream (give each thread its own cache)")
-    try:
-        yield
-    finally:
-        cache._busy.release()

@@ -14,15 +14,18 @@ Supported sources, recognised by their structure:
 
 PyTorch stores ``nn.Linear`` weights as (out, in) for ``x @ W.T``; manyheads
 uses ``x @ W`` with W of shape (in, out), so weights are transposed on import.
+
+This module only reads weights; the modules build themselves from the
+:class:`FusedWeights` it returns (``MultiHeadAttention.from_torch``).
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, TypedDict, cast
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
-if TYPE_CHECKING:
-    from .modules import MultiHeadAttention
+__all__ = ["FusedWeights", "fused_weights", "context_length_of", "tensor_to_numpy", "SUPPORTED"]
 
 SUPPORTED = (
     "torch.nn.MultiheadAttention, the book's MultiHeadAttention (W_query/W_key/W_value/"
@@ -31,14 +34,40 @@ SUPPORTED = (
 )
 
 
-def _np(t: Any, dtype: Any) -> np.ndarray:
+@dataclass
+class FusedWeights:
+    """The weights of multi-head attention in the fused layout, NumPy convention ``x @ W``.
+
+    ``W_q``, ``W_k``, ``W_v`` are (d_in, d_out) with head h in columns
+    h*head_dim..(h+1)*head_dim; biases (d_out,) or None; ``W_out`` (d_out,
+    d_out) and ``b_out`` (d_out,), or None when there is no output projection;
+    ``scale`` None means 1/sqrt(head_dim).
+    """
+
+    d_in: int
+    d_out: int
+    num_heads: int
+    W_q: np.ndarray
+    W_k: np.ndarray
+    W_v: np.ndarray
+    b_q: np.ndarray | None
+    b_k: np.ndarray | None
+    b_v: np.ndarray | None
+    W_out: np.ndarray | None
+    b_out: np.ndarray | None
+    scale: float | None
+    dropout: float
+
+
+def tensor_to_numpy(t: Any, dtype: Any) -> np.ndarray:
+    """A torch tensor (or parameter) copied into a NumPy array of ``dtype``."""
     return np.array(t.detach().cpu().numpy(), dtype=dtype)
 
 
 def _linear(layer: Any, dtype: Any) -> tuple[np.ndarray, np.ndarray | None]:
     """(W (in, out), b or None) of an nn.Linear."""
-    w = _np(layer.weight, dtype).T
-    b = None if getattr(layer, "bias", None) is None else _np(layer.bias, dtype)
+    w = tensor_to_numpy(layer.weight, dtype).T
+    b = None if getattr(layer, "bias", None) is None else tensor_to_numpy(layer.bias, dtype)
     return w, b
 
 
@@ -57,13 +86,8 @@ def _kind(m: Any) -> str:
     raise TypeError(f"cannot import weights from {type(m).__name__}; supported: {SUPPORTED}")
 
 
-def fused_weights(m: Any, dtype: Any = np.float32) -> dict[str, Any]:
-    """Everything a fused :class:`~manyheads.MultiHeadAttention` needs, from module ``m``.
-
-    Returns a dict with d_in, d_out, num_heads, W_q, W_k, W_v (d_in, d_out),
-    b_q, b_k, b_v (or None), W_out (d_out, d_out), b_out, scale (or None) and
-    dropout.
-    """
+def fused_weights(m: Any, dtype: Any = np.float32) -> FusedWeights:
+    """The weights of PyTorch attention module ``m`` (see the module docstring), as ``dtype``."""
     kind = _kind(m)
     if kind == "torch_mha":
         if m.in_proj_weight is None or not getattr(m, "_qkv_same_embed_dim", True):
@@ -73,10 +97,10 @@ def fused_weights(m: Any, dtype: Any = np.float32) -> dict[str, Any]:
             raise TypeError("nn.MultiheadAttention with add_bias_kv or add_zero_attn "
                             "is not supported")
         E = m.embed_dim
-        w = _np(m.in_proj_weight, dtype)  # (3E, E): rows q, k, v
-        b = None if m.in_proj_bias is None else _np(m.in_proj_bias, dtype)
+        w = tensor_to_numpy(m.in_proj_weight, dtype)  # (3E, E): rows q, k, v
+        b = None if m.in_proj_bias is None else tensor_to_numpy(m.in_proj_bias, dtype)
         W_out, b_out = _linear(m.out_proj, dtype)
-        return dict(d_in=E, d_out=E, num_heads=m.num_heads, W_q=w[:E].T, W_k=w[E:2 * E].T,
+        return FusedWeights(d_in=E, d_out=E, num_heads=m.num_heads, W_q=w[:E].T, W_k=w[E:2 * E].T,
                     W_v=w[2 * E:].T, b_q=None if b is None else b[:E],
                     b_k=None if b is None else b[E:2 * E], b_v=None if b is None else b[2 * E:],
                     W_out=W_out, b_out=b_out, scale=None, dropout=float(m.dropout))
@@ -84,16 +108,17 @@ def fused_weights(m: Any, dtype: Any = np.float32) -> dict[str, Any]:
         if getattr(m, "is_cross_attention", False):
             raise TypeError("GPT-2 cross-attention is not supported (self-attention only)")
         E = m.c_attn.weight.shape[0]
-        w = _np(m.c_attn.weight, dtype)  # Conv1D: (E, 3E), already x @ W
-        b = _np(m.c_attn.bias, dtype)
+        w = tensor_to_numpy(m.c_attn.weight, dtype)  # Conv1D: (E, 3E), already x @ W
+        b = tensor_to_numpy(m.c_attn.bias, dtype)
         scale = getattr(m, "scaling", None)
         if scale is None:
             scale = (m.head_dim ** -0.5) if getattr(m, "scale_attn_weights", True) else 1.0
             if getattr(m, "scale_attn_by_inverse_layer_idx", False):
                 scale /= float(m.layer_idx + 1)
-        return dict(d_in=E, d_out=E, num_heads=int(m.num_heads), W_q=w[:, :E], W_k=w[:, E:2 * E],
+        return FusedWeights(d_in=E, d_out=E, num_heads=int(m.num_heads), W_q=w[:, :E],
+                            W_k=w[:, E:2 * E],
                     W_v=w[:, 2 * E:], b_q=b[:E], b_k=b[E:2 * E], b_v=b[2 * E:],
-                    W_out=_np(m.c_proj.weight, dtype), b_out=_np(m.c_proj.bias, dtype),
+                    W_out=tensor_to_numpy(m.c_proj.weight, dtype), b_out=tensor_to_numpy(m.c_proj.bias, dtype),
                     scale=float(scale), dropout=0.0)
     if kind == "book_fused":
         W_q, b_q = _linear(m.W_query, dtype)
@@ -101,7 +126,8 @@ def fused_weights(m: Any, dtype: Any = np.float32) -> dict[str, Any]:
         W_v, b_v = _linear(m.W_value, dtype)
         W_out, b_out = _linear(m.out_proj, dtype)
         drop = getattr(getattr(m, "dropout", None), "p", 0.0)
-        return dict(d_in=W_q.shape[0], d_out=W_q.shape[1], num_heads=int(m.num_heads), W_q=W_q,
+        return FusedWeights(d_in=W_q.shape[0], d_out=W_q.shape[1], num_heads=int(m.num_heads),
+                            W_q=W_q,
                     W_k=W_k, W_v=W_v, b_q=b_q, b_k=b_k, b_v=b_v, W_out=W_out, b_out=b_out,
                     scale=None, dropout=float(drop))
     # book wrapper: per-head modules, concatenated, no output projection
@@ -113,11 +139,11 @@ def fused_weights(m: Any, dtype: Any = np.float32) -> dict[str, Any]:
     def cat(i: int, bias: bool) -> Any:
         if bias:
             bs = [p[i][1] for p in parts]
-            return None if bs[0] is None else np.concatenate(cast("list[np.ndarray]", bs))
+            return None if any(b is None for b in bs) else np.concatenate(bs)  # type: ignore[arg-type]
         return np.concatenate([p[i][0] for p in parts], axis=1)
 
     drop = getattr(getattr(m.heads[0], "dropout", None), "p", 0.0)
-    return dict(d_in=parts[0][0][0].shape[0], d_out=d_out, num_heads=len(parts),
+    return FusedWeights(d_in=parts[0][0][0].shape[0], d_out=d_out, num_heads=len(parts),
                 W_q=cat(0, False), W_k=cat(1, False), W_v=cat(2, False), b_q=cat(0, True),
                 b_k=cat(1, True), b_v=cat(2, True), W_out=None, b_out=None, scale=None,
                 dropout=float(drop))
@@ -132,89 +158,3 @@ def context_length_of(m: Any, default: int = 1024) -> int:
     if cfg is not None and getattr(cfg, "n_positions", None):
         return int(cfg.n_positions)
     return default
-
-
-class _Block(TypedDict):
-    """One transformer block of :class:`GPT2`: LayerNorm (weight, bias) pairs, attention, MLP."""
-
-    ln1: tuple[np.ndarray, np.ndarray]
-    attn: MultiHeadAttention
-    ln2: tuple[np.ndarray, np.ndarray]
-    fc: tuple[np.ndarray, np.ndarray]
-    proj: tuple[np.ndarray, np.ndarray]
-
-
-class GPT2:
-    """A Hugging Face ``GPT2LMHeadModel`` run in NumPy, every attention layer on manyheads.
-
-    Embeddings, LayerNorms and MLPs are NumPy; each block's attention is a
-    fused :class:`~manyheads.MultiHeadAttention` imported with ``from_torch``
-    and fed a KV cache when decoding.  float32 throughout.
-
-    >>> runner = GPT2(hf_model)                     # doctest: +SKIP
-    >>> tokens = runner.generate([464, 3290], 20)   # greedy, with the KV cache
-    """
-
-    def __init__(self, model: Any) -> None:
-        from .modules import MultiHeadAttention
-
-        tr = getattr(model, "transformer", model)
-        cfg = model.config
-        if getattr(cfg, "activation_function", "gelu_new") not in ("gelu_new", "gelu_pytorch_tanh"):
-            raise ValueError(f"unsupported activation {cfg.activation_function!r}")
-        f32 = np.float32
-        self.eps = float(cfg.layer_norm_epsilon)
-        self.n_positions = int(cfg.n_positions)
-        self.wte = _np(tr.wte.weight, f32)
-        self.wpe = _np(tr.wpe.weight, f32)
-        lm_head = getattr(model, "lm_head", None)
-        self.head = self.wte.T.copy() if lm_head is None else _np(lm_head.weight, f32).T.copy()
-        self.blocks: list[_Block] = []
-        for blk in tr.h:
-            self.blocks.append({
-                "ln1": (_np(blk.ln_1.weight, f32), _np(blk.ln_1.bias, f32)),
-                "attn": MultiHeadAttention.from_torch(blk.attn, context_length=self.n_positions),
-                "ln2": (_np(blk.ln_2.weight, f32), _np(blk.ln_2.bias, f32)),
-                "fc": (_np(blk.mlp.c_fc.weight, f32), _np(blk.mlp.c_fc.bias, f32)),
-                "proj": (_np(blk.mlp.c_proj.weight, f32), _np(blk.mlp.c_proj.bias, f32)),
-            })
-        self.ln_f = (_np(tr.ln_f.weight, f32), _np(tr.ln_f.bias, f32))
-
-    def _ln(self, x: np.ndarray, p: tuple[np.ndarray, np.ndarray]) -> np.ndarray:
-        mu = x.mean(-1, keepdims=True)
-        var = ((x - mu) ** 2).mean(-1, keepdims=True)
-        y: np.ndarray = (x - mu) / np.sqrt(var + self.eps) * p[0] + p[1]
-        return y
-
-    @staticmethod
-    def _gelu(x: np.ndarray) -> np.ndarray:
-        y: np.ndarray = 0.5 * x * (1.0 + np.tanh(np.float32(0.7978845608028654)
-                                                 * (x + 0.044715 * x**3)))
-        return y
-
-    def new_caches(self, batch_size: int, max_len: int) -> list[Any]:
-        return [b["attn"].new_cache(batch_size, max_len) for b in self.blocks]
-
-    def logits(self, ids: Any, start: int = 0, caches: list[Any] | None = None) -> np.ndarray:
-        """Logits (B, T, vocab) for token ids (B, T) at positions start.. (caches hold the rest)."""
-        ids = np.atleast_2d(np.asarray(ids))
-        x = self.wte[ids] + self.wpe[start:start + ids.shape[1]]
-        for i, b in enumerate(self.blocks):
-            h = b["attn"](self._ln(x, b["ln1"]), cache=None if caches is None else caches[i])
-            x = x + h
-            m = self._gelu(self._ln(x, b["ln2"]) @ b["fc"][0] + b["fc"][1])
-            x = x + (m @ b["proj"][0] + b["proj"][1])
-        out: np.ndarray = self._ln(x, self.ln_f) @ self.head
-        return out
-
-    def generate(self, prompt: Any, n: int) -> list[int]:
-        """Greedy decoding of n tokens after the prompt, with the KV cache."""
-        tokens = [int(t) for t in prompt]
-        caches = self.new_caches(1, len(tokens) + n)
-        logits = self.logits([tokens], 0, caches)[0, -1]
-        out: list[int] = []
-        for step in range(n):
-            out.append(int(np.argmax(logits)))
-            if step + 1 < n:
-                logits = self.logits([[out[-1]]], len(tokens) + step, caches)[0, -1]
-        return out

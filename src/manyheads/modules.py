@@ -10,38 +10,26 @@ The book's ``MultiHeadAttentionWrapper(d_in, d_out, ...)`` gives each head
 ``d_out`` columns (total ``num_heads * d_out``) and has no output projection;
 its equivalent is ``StackedMultiHeadAttention(d_in, num_heads * d_out, ...,
 out_proj=False)``.
+
+All three modules share one constructor skeleton and one call template
+(:class:`_AttentionModule`); each supplies its projections in ``_forward``.
+Weights move between them (and in from PyTorch) through one neutral record,
+:class:`manyheads.interop.FusedWeights`.
 """
 from __future__ import annotations
 
-import numbers
 from typing import Any
 
 import numpy as np
 
-from . import _blas, _config
-from .cache import KVCache, in_use
-from .functional import SUPPORTED_DTYPES, _attention, _check_dropout, _seed_value
+from . import _blas, _config, _core, interop
+from ._validate import (FLOAT_DTYPES, FLOAT_DTYPES_TEXT, check_bool, check_dropout,
+                        check_float_dtype, check_int, check_optional_int, check_optional_real,
+                        rng_from_seed, seed_value)
+from .cache import CacheStep, KVCache
+from .interop import FusedWeights
 
 __all__ = ["CausalAttention", "StackedMultiHeadAttention", "MultiHeadAttention"]
-
-
-def _check_positive_int(value: Any, name: str, minimum: int = 1) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    if int(value) < minimum:
-        raise ValueError(f"{name} must be at least {minimum}, got {int(value)}")
-    return int(value)
-
-
-def _check_window(window: Any) -> int | None:
-    return None if window is None else _check_positive_int(window, "window")
-
-
-def _check_dtype(dtype: Any) -> np.dtype:
-    dt: np.dtype = np.dtype(dtype)
-    if dt not in SUPPORTED_DTYPES:
-        raise TypeError(f"dtype must be float32 or float64, got {dt}")
-    return dt
 
 
 def _linear_init(rng: np.random.Generator, fan_in: int, shape: tuple[int, ...],
@@ -51,23 +39,125 @@ def _linear_init(rng: np.random.Generator, fan_in: int, shape: tuple[int, ...],
     return rng.uniform(-bound, bound, size=shape).astype(dtype)
 
 
-class _Module:
-    """Shared input handling of the attention modules."""
+def _head_columns(h: int, head_dim: int) -> slice:
+    """Columns of head ``h`` in a packed (.., num_heads * head_dim) matrix."""
+    return slice(h * head_dim, (h + 1) * head_dim)
+
+
+class _AttentionModule:
+    """The constructor skeleton and the call template shared by the modules."""
 
     d_in: int
     d_out: int
     context_length: int
     dropout: float
-    dtype: np.dtype
+    qkv_bias: bool
     window: int | None
+    dtype: np.dtype
+    scale: float | None = None  # multiplies q.k; None is 1/sqrt(head_dim)
     _rng: np.random.Generator
+
+    def _init_common(self, d_in: Any, d_out: Any, context_length: Any, dropout: Any,
+                     qkv_bias: Any, window: Any, dtype: Any, seed: Any) -> None:
+        self.d_in = check_int(d_in, "d_in", 1)
+        self.d_out = check_int(d_out, "d_out", 1)
+        self.context_length = check_int(context_length, "context_length", 1)
+        self.dropout = check_dropout(dropout, "dropout")
+        self.qkv_bias = bool(qkv_bias)
+        self.window = check_optional_int(window, "window", 1)
+        self.dtype = check_float_dtype(dtype)
+        self._rng = rng_from_seed(seed)
+
+    def _init_heads(self, num_heads: Any) -> None:
+        self.num_heads = check_int(num_heads, "num_heads", 1)
+        if self.d_out % self.num_heads:
+            raise ValueError(
+                f"d_out ({self.d_out}) must be divisible by num_heads ({self.num_heads})"
+            )
+        self.head_dim = self.d_out // self.num_heads
+
+    # -- subclasses ---------------------------------------------------------------------
+    def _cache_geometry(self) -> tuple[int, int]:
+        """(kv heads, head size) of this module's cache."""
+        raise NotImplementedError
+
+    def _forward(self, xb: np.ndarray, pad: np.ndarray | None, step: CacheStep | None,
+                 training: bool, return_weights: bool,
+                 nt: int) -> tuple[np.ndarray, np.ndarray | None]:
+        """(B, T, d_out) output and the weights (or None) of checked (B, T, d_in) input."""
+        raise NotImplementedError
+
+    # -- the call template ----------------------------------------------------------------
+    def new_cache(self, batch_size: int, max_len: int, dtype: Any = None) -> KVCache:
+        """An empty KV cache for this module (dtype defaults to the module's).
+
+        It stores only the module's key/value heads, and with a sliding window
+        only the last ``window`` tokens (a ring buffer); float16 halves the
+        memory of a float32 module's cache.
+        """
+        kv_heads, head_dim = self._cache_geometry()
+        return KVCache(batch_size, max_len, kv_heads, head_dim,
+                       self.dtype if dtype is None else dtype, window=self.window)
+
+    def __call__(self, x: Any, *, cache: KVCache | None = None, key_padding_mask: Any = None,
+                 return_weights: bool = False, training: bool = False,
+                 num_threads: int | None = None) -> Any:
+        """Context vectors of every token.
+
+        Parameters
+        ----------
+        x : array, shape (B, T, d_in) or (T, d_in)
+        cache : KVCache, optional
+            From :meth:`new_cache`: x's keys and values are appended and its
+            queries attend over everything cached (query at absolute position p
+            sees keys 0..p).
+        key_padding_mask : bool array (B, T), optional
+            True marks padding tokens of x (e.g. left padding of short prompts);
+            nothing attends to them.
+        return_weights : bool
+            Also return the attention weights.
+        training : bool
+            Apply dropout to the attention weights (scaled by 1/(1-p)).
+        num_threads : int, optional
+            Threads for this call; defaults to :func:`manyheads.get_num_threads`.
+
+        Returns
+        -------
+        out : ndarray, shape (B, T, d_out) or (T, d_out)
+        weights : ndarray, with ``return_weights=True``
+            (B, num_heads, T, S) or (num_heads, T, S) for the multi-head
+            modules, (B, T, S) or (T, S) for one head (S = keys attended).
+        """
+        xb, single = self._prepare_input(x)
+        B, T, _ = xb.shape
+        pad = self._check_padding(key_padding_mask, B, T)
+        training = check_bool(training, "training")
+        return_weights = check_bool(return_weights, "return_weights")
+        nt = _config.resolve_num_threads(num_threads)
+        if cache is None:
+            y, w = self._forward(xb, pad, None, training, return_weights, nt)
+        else:
+            if not isinstance(cache, KVCache):
+                raise TypeError(f"cache must be a KVCache from new_cache(), "
+                                f"got {type(cache).__name__}")
+            kv_heads, head_dim = self._cache_geometry()
+            cache.check_compatible(batch=B, num_kv_heads=kv_heads, head_dim=head_dim,
+                                   dtype=self.dtype, window=self.window, new_tokens=T)
+            with cache.step(T, pad) as step:
+                y, w = self._forward(xb, pad, step, training, return_weights, nt)
+        if single:
+            y = y[0]
+            w = None if w is None else w[0]
+        return (y, w) if return_weights else y
+
+    forward = __call__
 
     def _prepare_input(self, x: Any) -> tuple[np.ndarray, bool]:
         """x as a (B, T, d_in) array of the module's dtype; flag if it was (T, d_in)."""
         if not isinstance(x, np.ndarray):
             x = np.asarray(x)
-        if x.dtype not in SUPPORTED_DTYPES:
-            raise TypeError(f"x has dtype {x.dtype}; supported dtypes are float32 or float64")
+        if x.dtype not in FLOAT_DTYPES:
+            raise TypeError(f"x has dtype {x.dtype}; supported dtypes are {FLOAT_DTYPES_TEXT}")
         if x.ndim not in (2, 3):
             raise ValueError(
                 f"x must have shape (batch, tokens, d_in) or (tokens, d_in), got {x.shape}"
@@ -84,7 +174,8 @@ class _Module:
             x = x[None]
         return x.astype(self.dtype, copy=False), single
 
-    def _check_padding(self, key_padding_mask: Any, B: int, T: int) -> np.ndarray | None:
+    @staticmethod
+    def _check_padding(key_padding_mask: Any, B: int, T: int) -> np.ndarray | None:
         """(B, T) boolean, True = padding token (PyTorch's nn.MultiheadAttention convention)."""
         if key_padding_mask is None:
             return None
@@ -99,36 +190,28 @@ class _Module:
             )
         return m
 
-    def _attend(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, pad: np.ndarray | None,
-                cache: KVCache | None, heads: slice, *, p: float, seed: int,
-                return_weights: bool, nt: int, out: np.ndarray | None = None) -> Any:
-        """Causal attention of q over k, v (and the cache): (B, H, T, D) arrays."""
-        scale = getattr(self, "scale", None)
-        scale = 1.0 / np.sqrt(q.shape[-1]) if scale is None else scale
-        if cache is not None:
-            return cache._attend(q, k, v, pad, heads, scale=scale, num_threads=nt, out=out,
-                                 return_weights=return_weights, dropout_p=p, seed=seed)
-        mask = None if pad is None or not pad.any() else ~pad[:, None, None, :]
-        return _attention(q, k, v, mask=mask, causal_offset=0, window=self.window, scale=scale,
-                          dropout_p=p, seed=seed, enable_gqa=q.shape[1] != k.shape[1],
-                          return_weights=return_weights, num_threads=nt, out=out)
-
-    def _check_cache(self, cache: Any, B: int, T: int, kv_heads: int, head_dim: int) -> None:
-        if cache is None:
-            return
-        if not isinstance(cache, KVCache):
-            raise TypeError(f"cache must be a KVCache from new_cache(), got {type(cache).__name__}")
-        cache._check_compatible(B, kv_heads, head_dim, self.dtype, self.window, T)
-
     def _dropout_for_call(self, training: bool) -> tuple[float, int]:
-        if not isinstance(training, (bool, np.bool_)):
-            raise TypeError(f"training must be a bool, got {type(training).__name__}")
+        """(p, seed) of this call's dropout stream: (0, 0) unless training with dropout."""
         if training and self.dropout > 0:
-            return self.dropout, _seed_value(self._rng)
+            return self.dropout, seed_value(self._rng)
         return 0.0, 0
 
+    def _attend(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, pad: np.ndarray | None,
+                step: CacheStep | None, *, heads: slice = slice(None), p: float, seed: int,
+                return_weights: bool, nt: int, out: np.ndarray | None = None) -> Any:
+        """Causal attention of q over k, v (and the cache): (B, H, T, D) arrays."""
+        scale = 1.0 / np.sqrt(q.shape[-1]) if self.scale is None else self.scale
+        if step is not None:
+            return step.attend(q, k, v, heads, scale=scale, num_threads=nt, out=out,
+                               return_weights=return_weights, dropout_p=p, seed=seed)
+        mask = None if pad is None or not pad.any() else ~pad[:, None, None, :]
+        return _core.attention(q, k, v, mask=mask, causal_offset=0, window=self.window,
+                               scale=scale, dropout_p=p, seed=seed,
+                               enable_gqa=q.shape[1] != k.shape[1],
+                               return_weights=return_weights, num_threads=nt, out=out)
 
-class CausalAttention(_Module):
+
+class CausalAttention(_AttentionModule):
     """One head of causal self-attention (the book's ``CausalAttention``).
 
     Parameters
@@ -143,8 +226,10 @@ class CausalAttention(_Module):
         Dropout on the attention weights when called with ``training=True``.
     qkv_bias : bool
         Whether the query, key and value projections have biases.
+    window : int, optional, keyword-only
+        Sliding window: each query sees its ``window`` most recent keys.
     dtype : float32 or float64, keyword-only
-    seed : int or None, keyword-only
+    seed : int, numpy Generator or None, keyword-only
         Seeds the weight initialisation and the dropout stream.
 
     Attributes
@@ -156,16 +241,8 @@ class CausalAttention(_Module):
     def __init__(self, d_in: int, d_out: int, context_length: int, dropout: float = 0.0,
                  qkv_bias: bool = False, *, window: int | None = None, dtype: Any = np.float32,
                  seed: Any = None) -> None:
-        self.window = _check_window(window)
-        self.d_in = _check_positive_int(d_in, "d_in")
-        self.d_out = _check_positive_int(d_out, "d_out")
-        self.context_length = _check_positive_int(context_length, "context_length")
-        self.dropout = _check_dropout(dropout, "dropout")
-        self.qkv_bias = bool(qkv_bias)
-        self.dtype = _check_dtype(dtype)
-        rng = seed if isinstance(seed, np.random.Generator) else np.random.default_rng(seed)
-        self._rng = rng
-        shape = (self.d_in, self.d_out)
+        self._init_common(d_in, d_out, context_length, dropout, qkv_bias, window, dtype, seed)
+        rng, shape = self._rng, (self.d_in, self.d_out)
         self.W_query = _linear_init(rng, self.d_in, shape, self.dtype)
         self.W_key = _linear_init(rng, self.d_in, shape, self.dtype)
         self.W_value = _linear_init(rng, self.d_in, shape, self.dtype)
@@ -182,66 +259,37 @@ class CausalAttention(_Module):
                 f"context_length={self.context_length}, dropout={self.dropout}, "
                 f"qkv_bias={self.qkv_bias}, dtype={self.dtype.name})")
 
+    def _cache_geometry(self) -> tuple[int, int]:
+        return 1, self.d_out
+
     def _project(self, x: np.ndarray, W: np.ndarray, b: np.ndarray | None, nt: int,
-                 split: bool) -> np.ndarray:
-        y = _blas.matmul(x, W.astype(self.dtype, copy=False), nt, split)
+                 chunked: bool) -> np.ndarray:
+        y = _blas.matmul(x, W.astype(self.dtype, copy=False), nt, chunked)
         if b is not None:
             y += b.astype(self.dtype, copy=False)
         return y
 
-    def new_cache(self, batch_size: int, max_len: int, dtype: Any = None) -> KVCache:
-        """An empty KV cache for this head (dtype defaults to the module's)."""
-        return KVCache(batch_size, max_len, 1, self.d_out,
-                       self.dtype if dtype is None else dtype, window=self.window)
-
-    def __call__(self, x: Any, *, cache: KVCache | None = None, key_padding_mask: Any = None,
-                 return_weights: bool = False, training: bool = False,
-                 num_threads: int | None = None) -> Any:
-        """Context vectors of every token.
-
-        Parameters
-        ----------
-        x : array, shape (B, T, d_in) or (T, d_in)
-        cache : KVCache, optional
-            Appends x's keys and values and attends over every cached token.
-        key_padding_mask : bool array (B, T), optional
-            True marks padding tokens of x (no query attends to them).
-
-        Returns
-        -------
-        context : ndarray, shape (B, T, d_out) or (T, d_out)
-        weights : ndarray, shape (B, T, S) or (T, S), with ``return_weights=True``
-        """
-        xb, single = self._prepare_input(x)
-        B, T, _ = xb.shape
-        pad = self._check_padding(key_padding_mask, B, T)
-        with in_use(cache):
-            self._check_cache(cache, B, T, 1, self.d_out)
-            p, seed = self._dropout_for_call(training)
-            nt = _config.resolve_num_threads(num_threads)
-            res = self._run(xb, pad, cache, slice(None), p, seed, return_weights, nt)
-            if cache is not None:
-                cache._commit(T, pad)
-        if return_weights:
-            out, w = res[0][:, 0], res[1][:, 0]
-            return (out[0], w[0]) if single else (out, w)
-        out = res[:, 0]
-        return out[0] if single else out
-
-    def _run(self, xb: np.ndarray, pad: np.ndarray | None, cache: KVCache | None,
-             heads: slice, p: float, seed: int, return_weights: bool, nt: int) -> Any:
-        """(B, 1, T, d_out) context (and weights) of checked input; the cache is not committed."""
-        with _blas.single_threaded_blas(xb.shape[0] * xb.shape[1]) as split:
-            q = self._project(xb, self.W_query, self.b_query, nt, split)[:, None]
-            k = self._project(xb, self.W_key, self.b_key, nt, split)[:, None]
-            v = self._project(xb, self.W_value, self.b_value, nt, split)[:, None]
-        return self._attend(q, k, v, pad, cache, heads, p=p, seed=seed,
+    def _head_forward(self, xb: np.ndarray, pad: np.ndarray | None, step: CacheStep | None,
+                      heads: slice, training: bool, return_weights: bool, nt: int) -> Any:
+        """(B, 1, T, d_out) context (and (B, 1, T, S) weights) of this head."""
+        p, seed = self._dropout_for_call(training)
+        with _blas.single_threaded_blas(xb.shape[0] * xb.shape[1]) as chunked:
+            q = self._project(xb, self.W_query, self.b_query, nt, chunked)[:, None]
+            k = self._project(xb, self.W_key, self.b_key, nt, chunked)[:, None]
+            v = self._project(xb, self.W_value, self.b_value, nt, chunked)[:, None]
+        return self._attend(q, k, v, pad, step, heads=heads, p=p, seed=seed,
                             return_weights=return_weights, nt=nt)
 
-    forward = __call__
+    def _forward(self, xb: np.ndarray, pad: np.ndarray | None, step: CacheStep | None,
+                 training: bool, return_weights: bool,
+                 nt: int) -> tuple[np.ndarray, np.ndarray | None]:
+        res = self._head_forward(xb, pad, step, slice(None), training, return_weights, nt)
+        if return_weights:
+            return res[0][:, 0], res[1][:, 0]
+        return res[:, 0], None
 
 
-class StackedMultiHeadAttention(_Module):
+class StackedMultiHeadAttention(_AttentionModule):
     """Multi-head attention as independent single-head modules run side by side.
 
     Each of the ``num_heads`` heads is a :class:`CausalAttention` with its own
@@ -261,21 +309,9 @@ class StackedMultiHeadAttention(_Module):
     def __init__(self, d_in: int, d_out: int, context_length: int, dropout: float,
                  num_heads: int, qkv_bias: bool = False, *, out_proj: bool = True,
                  window: int | None = None, dtype: Any = np.float32, seed: Any = None) -> None:
-        self.window = _check_window(window)
-        self.d_in = _check_positive_int(d_in, "d_in")
-        self.d_out = _check_positive_int(d_out, "d_out")
-        self.context_length = _check_positive_int(context_length, "context_length")
-        self.dropout = _check_dropout(dropout, "dropout")
-        self.num_heads = _check_positive_int(num_heads, "num_heads")
-        if self.d_out % self.num_heads:
-            raise ValueError(
-                f"d_out ({self.d_out}) must be divisible by num_heads ({self.num_heads})"
-            )
-        self.head_dim = self.d_out // self.num_heads
-        self.qkv_bias = bool(qkv_bias)
-        self.dtype = _check_dtype(dtype)
-        rng = seed if isinstance(seed, np.random.Generator) else np.random.default_rng(seed)
-        self._rng = rng
+        self._init_common(d_in, d_out, context_length, dropout, qkv_bias, window, dtype, seed)
+        self._init_heads(num_heads)
+        rng = self._rng
         self.heads = [
             CausalAttention(self.d_in, self.head_dim, self.context_length, self.dropout,
                             self.qkv_bias, window=self.window, dtype=self.dtype, seed=rng)
@@ -293,68 +329,64 @@ class StackedMultiHeadAttention(_Module):
                 f"num_heads={self.num_heads}, qkv_bias={self.qkv_bias}, "
                 f"out_proj={self.W_out is not None}, dtype={self.dtype.name})")
 
-    def new_cache(self, batch_size: int, max_len: int, dtype: Any = None) -> KVCache:
-        """An empty KV cache for every head (dtype defaults to the module's)."""
-        return KVCache(batch_size, max_len, self.num_heads, self.head_dim,
-                       self.dtype if dtype is None else dtype, window=self.window)
+    def _cache_geometry(self) -> tuple[int, int]:
+        return self.num_heads, self.head_dim
 
-    def __call__(self, x: Any, *, cache: KVCache | None = None, key_padding_mask: Any = None,
-                 return_weights: bool = False, training: bool = False,
-                 num_threads: int | None = None) -> Any:
-        """Concatenated head outputs Z (projected unless ``out_proj=False``).
+    def _forward(self, xb: np.ndarray, pad: np.ndarray | None, step: CacheStep | None,
+                 training: bool, return_weights: bool,
+                 nt: int) -> tuple[np.ndarray, np.ndarray | None]:
+        # each head draws its own dropout stream, as independent modules would
+        results = [head._head_forward(xb, pad, step, slice(h, h + 1), training, return_weights,
+                                      nt) for h, head in enumerate(self.heads)]
+        w = None
+        if return_weights:
+            Z = np.concatenate([r[0][:, 0] for r in results], axis=-1)
+            w = np.concatenate([r[1] for r in results], axis=1)
+        else:
+            Z = np.concatenate([r[:, 0] for r in results], axis=-1)
+        if self.W_out is not None:
+            B, T, _ = xb.shape
+            with _blas.single_threaded_blas(B * T) as chunked:
+                Z = _blas.matmul(Z, self.W_out, nt, chunked)
+            if self.b_out is not None:
+                Z += self.b_out
+        return Z, w
 
-        Parameters
-        ----------
-        x : array, shape (B, T, d_in) or (T, d_in)
-        cache : KVCache, optional
-            From :meth:`new_cache`; head h keeps its keys in the cache's head h.
-        key_padding_mask : bool array (B, T), optional
-            True marks padding tokens of x.
+    # -- weights in and out ----------------------------------------------------------------
+    def to_weights(self) -> FusedWeights:
+        """Every head's weights packed side by side (copies), plus the output projection."""
+        def packed(name: str, axis: int) -> Any:
+            parts = [getattr(h, name) for h in self.heads]
+            return None if parts[0] is None else np.concatenate(parts, axis=axis)
 
-        Returns
-        -------
-        out : ndarray, shape (B, T, d_out) or (T, d_out)
-        weights : ndarray, shape (B, num_heads, T, S) or (num_heads, T, S),
-            with ``return_weights=True``
-        """
-        xb, single = self._prepare_input(x)
-        B, T, _ = xb.shape
-        pad = self._check_padding(key_padding_mask, B, T)
-        with in_use(cache):
-            return self._call_locked(xb, single, pad, cache, return_weights, training,
-                                     num_threads)
+        return FusedWeights(
+            d_in=self.d_in, d_out=self.d_out, num_heads=self.num_heads,
+            W_q=packed("W_query", 1), W_k=packed("W_key", 1), W_v=packed("W_value", 1),
+            b_q=packed("b_query", 0), b_k=packed("b_key", 0), b_v=packed("b_value", 0),
+            W_out=None if self.W_out is None else self.W_out.copy(),
+            b_out=None if self.b_out is None else self.b_out.copy(),
+            scale=None, dropout=self.dropout)
 
-    def _call_locked(self, xb: np.ndarray, single: bool, pad: np.ndarray | None,
-                     cache: KVCache | None, return_weights: bool, training: bool,
-                     num_threads: int | None) -> Any:
-        B, T, _ = xb.shape
-        self._check_cache(cache, B, T, self.num_heads, self.head_dim)
-        nt = _config.resolve_num_threads(num_threads)
-        self._dropout_for_call(training)  # checks the flag; each head draws its own stream
-        with _blas.single_threaded_blas(B * T) as split:
-            results = []
-            for h, head in enumerate(self.heads):
-                hp, seed = head._dropout_for_call(training)
-                results.append(head._run(xb, pad, cache, slice(h, h + 1), hp, seed,
-                                         return_weights, nt))
-            if cache is not None:
-                cache._commit(T, pad)
-            if return_weights:
-                Z = np.concatenate([r[0][:, 0] for r in results], axis=-1)
-                w = np.concatenate([r[1] for r in results], axis=1)
-            else:
-                Z = np.concatenate([r[:, 0] for r in results], axis=-1)
-            if self.W_out is not None:
-                Z = _blas.matmul(Z, self.W_out, nt, split)
-                if self.b_out is not None:
-                    Z += self.b_out
-        if single:
-            Z = Z[0]
-            if return_weights:
-                w = w[0]
-        return (Z, w) if return_weights else Z
-
-    forward = __call__
+    @classmethod
+    def from_weights(cls, w: FusedWeights, context_length: int, *, window: int | None = None,
+                     dtype: Any = np.float32) -> "StackedMultiHeadAttention":
+        """A stack whose head h gets columns h*D..(h+1)*D of the packed weights (copied)."""
+        if w.scale is not None and not np.isclose(w.scale, (w.d_out // w.num_heads) ** -0.5):
+            raise ValueError("a stack of heads uses the scale 1/sqrt(head_dim); use a fused "
+                             "MultiHeadAttention for this module")
+        st = cls(w.d_in, w.d_out, context_length, w.dropout, w.num_heads, w.b_q is not None,
+                 out_proj=w.W_out is not None, window=window, dtype=dtype, seed=0)
+        for h, head in enumerate(st.heads):
+            c = _head_columns(h, st.head_dim)
+            head.W_query[...], head.W_key[...], head.W_value[...] = w.W_q[:, c], w.W_k[:, c], w.W_v[:, c]
+            if w.b_q is not None:
+                assert w.b_k is not None and w.b_v is not None
+                head.b_query, head.b_key, head.b_value = (
+                    b[c].astype(st.dtype) for b in (w.b_q, w.b_k, w.b_v))
+        if st.W_out is not None:
+            st.W_out[...] = w.W_out
+            st.b_out = np.zeros(st.d_out, st.dtype) if w.b_out is None else w.b_out.astype(st.dtype)
+        return st
 
     @classmethod
     def from_torch(cls, module: Any, *, context_length: int | None = None,
@@ -364,32 +396,9 @@ class StackedMultiHeadAttention(_Module):
         Same sources as :meth:`MultiHeadAttention.from_torch`; the book's
         wrapper becomes a stack without output projection.
         """
-        from . import interop
-
         w = interop.fused_weights(module, dtype)
-        if w["scale"] is not None and not np.isclose(w["scale"], (w["d_out"] // w["num_heads"])
-                                                     ** -0.5):
-            raise ValueError("a stack of heads uses the scale 1/sqrt(head_dim); import this "
-                             "module with MultiHeadAttention.from_torch instead")
-        ctx = context_length or interop.context_length_of(module)
-        qkv_bias = w["b_q"] is not None
-        st = cls(w["d_in"], w["d_out"], ctx, w["dropout"], w["num_heads"], qkv_bias,
-                 out_proj=w["W_out"] is not None, dtype=dtype, seed=0)
-        D = st.head_dim
-        for h, head in enumerate(st.heads):
-            c = slice(h * D, (h + 1) * D)
-            head.W_query[...], head.W_key[...], head.W_value[...] = (
-                w["W_q"][:, c], w["W_k"][:, c], w["W_v"][:, c])
-            if qkv_bias:
-                assert (head.b_query is not None and head.b_key is not None
-                        and head.b_value is not None)  # heads of a qkv_bias stack have biases
-                head.b_query[...], head.b_key[...], head.b_value[...] = (
-                    w["b_q"][c], w["b_k"][c], w["b_v"][c])
-        if st.W_out is not None:
-            st.W_out[...] = w["W_out"]
-            assert st.b_out is not None
-            st.b_out[...] = 0 if w["b_out"] is None else w["b_out"]
-        return st
+        return cls.from_weights(w, context_length or interop.context_length_of(module),
+                                dtype=dtype)
 
     def to_fused(self) -> "MultiHeadAttention":
         """A :class:`MultiHeadAttention` with the same weights (copied) and outputs.
@@ -397,30 +406,36 @@ class StackedMultiHeadAttention(_Module):
         A stack without output projection maps to a fused module whose output
         projection is the identity.
         """
-        m = MultiHeadAttention(self.d_in, self.d_out, self.context_length, self.dropout,
-                               self.num_heads, self.qkv_bias, window=self.window,
-                               dtype=self.dtype, seed=0)
-        D = self.head_dim
-        for h, head in enumerate(self.heads):
-            cols = slice(h * D, (h + 1) * D)
-            m.W_query[:, cols] = head.W_query
-            m.W_key[:, cols] = head.W_key
-            m.W_value[:, cols] = head.W_value
-            if self.qkv_bias:
-                assert m.b_query is not None and m.b_key is not None and m.b_value is not None
-                m.b_query[cols] = head.b_query
-                m.b_key[cols] = head.b_key
-                m.b_value[cols] = head.b_value
-        if self.W_out is not None:
-            m.W_out[...] = self.W_out
-            m.b_out[...] = self.b_out if self.b_out is not None else 0
-        else:
-            m.W_out[...] = np.eye(self.d_out, dtype=self.dtype)
-            m.b_out[...] = 0
-        return m
+        return MultiHeadAttention.from_weights(self.to_weights(), self.context_length,
+                                               window=self.window, dtype=self.dtype)
 
 
-class MultiHeadAttention(_Module):
+class _PackedWeight:
+    """``W_query``/``W_key``/``W_value`` of a fused module: a view of its columns of
+    ``W_qkv``; assigning to the attribute writes into the packed buffer."""
+
+    def __init__(self, part: int) -> None:
+        self.part = part
+
+    def __get__(self, obj: Any, objtype: Any = None) -> np.ndarray:
+        view: np.ndarray = obj.W_qkv[:, obj._cols(self.part)]
+        return view
+
+    def __set__(self, obj: Any, value: Any) -> None:
+        obj.W_qkv[:, obj._cols(self.part)] = value
+
+
+class _PackedBias:
+    """``b_query``/``b_key``/``b_value`` of a fused module: a view into ``b_qkv`` or None."""
+
+    def __init__(self, part: int) -> None:
+        self.part = part
+
+    def __get__(self, obj: Any, objtype: Any = None) -> np.ndarray | None:
+        return None if obj.b_qkv is None else obj.b_qkv[obj._cols(self.part)]
+
+
+class MultiHeadAttention(_AttentionModule):
     """Fused multi-head causal self-attention (the book's ``MultiHeadAttention``).
 
     All heads' query, key and value weights live in one packed buffer
@@ -438,6 +453,8 @@ class MultiHeadAttention(_Module):
         Grouped-query attention: ``num_heads`` must be a multiple; query head
         ``h`` uses key/value head ``h // (num_heads // num_kv_heads)``.
         Defaults to ``num_heads``.
+    window : int, optional, keyword-only
+        Sliding window: each query sees its ``window`` most recent keys.
     scale : float, optional, keyword-only
         Multiplies the query-key products; defaults to ``1 / sqrt(head_dim)``.
     dtype, seed : keyword-only
@@ -451,37 +468,28 @@ class MultiHeadAttention(_Module):
     b_out : ndarray (d_out,)
     """
 
+    W_query = _PackedWeight(0)
+    W_key = _PackedWeight(1)
+    W_value = _PackedWeight(2)
+    b_query = _PackedBias(0)
+    b_key = _PackedBias(1)
+    b_value = _PackedBias(2)
+
     def __init__(self, d_in: int, d_out: int, context_length: int, dropout: float,
                  num_heads: int, qkv_bias: bool = False, *, num_kv_heads: int | None = None,
                  window: int | None = None, scale: float | None = None, dtype: Any = np.float32,
                  seed: Any = None) -> None:
-        self.window = _check_window(window)
-        if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))
-                                  or not np.isfinite(scale)):
-            raise ValueError(f"scale must be a finite number or None, got {scale!r}")
-        self.scale = None if scale is None else float(scale)
-        self.d_in = _check_positive_int(d_in, "d_in")
-        self.d_out = _check_positive_int(d_out, "d_out")
-        self.context_length = _check_positive_int(context_length, "context_length")
-        self.dropout = _check_dropout(dropout, "dropout")
-        self.num_heads = _check_positive_int(num_heads, "num_heads")
-        if self.d_out % self.num_heads:
-            raise ValueError(
-                f"d_out ({self.d_out}) must be divisible by num_heads ({self.num_heads})"
-            )
-        kvh = self.num_heads if num_kv_heads is None else _check_positive_int(
-            num_kv_heads, "num_kv_heads")
+        self._init_common(d_in, d_out, context_length, dropout, qkv_bias, window, dtype, seed)
+        self._init_heads(num_heads)
+        self.scale = check_optional_real(scale, "scale")
+        kvh = check_optional_int(num_kv_heads, "num_kv_heads", 1) or self.num_heads
         if self.num_heads % kvh:
             raise ValueError(
                 f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({kvh})"
             )
         self.num_kv_heads = kvh
-        self.head_dim = self.d_out // self.num_heads
         self.kv_dim = kvh * self.head_dim
-        self.qkv_bias = bool(qkv_bias)
-        self.dtype = _check_dtype(dtype)
-        rng = seed if isinstance(seed, np.random.Generator) else np.random.default_rng(seed)
-        self._rng = rng
+        rng = self._rng
         width = self.d_out + 2 * self.kv_dim
         self.W_qkv = np.empty((self.d_in, width), dtype=self.dtype)
         self.W_qkv[:, : self.d_out] = _linear_init(rng, self.d_in, (self.d_in, self.d_out),
@@ -494,50 +502,10 @@ class MultiHeadAttention(_Module):
         self.W_out = _linear_init(rng, self.d_out, (self.d_out, self.d_out), self.dtype)
         self.b_out = _linear_init(rng, self.d_out, (self.d_out,), self.dtype)
 
-    # views into the packed projection -----------------------------------------------
-    def _cols(self, which: int) -> slice:
-        start = (0, self.d_out, self.d_out + self.kv_dim)[which]
-        stop = (self.d_out, self.d_out + self.kv_dim, self.d_out + 2 * self.kv_dim)[which]
-        return slice(start, stop)
-
-    @property
-    def W_query(self) -> np.ndarray:
-        return self.W_qkv[:, self._cols(0)]
-
-    @W_query.setter
-    def W_query(self, value: Any) -> None:
-        self.W_qkv[:, self._cols(0)] = value
-
-    @property
-    def W_key(self) -> np.ndarray:
-        return self.W_qkv[:, self._cols(1)]
-
-    @W_key.setter
-    def W_key(self, value: Any) -> None:
-        self.W_qkv[:, self._cols(1)] = value
-
-    @property
-    def W_value(self) -> np.ndarray:
-        return self.W_qkv[:, self._cols(2)]
-
-    @W_value.setter
-    def W_value(self, value: Any) -> None:
-        self.W_qkv[:, self._cols(2)] = value
-
-    def _bias(self, which: int) -> np.ndarray | None:
-        return None if self.b_qkv is None else self.b_qkv[self._cols(which)]
-
-    @property
-    def b_query(self) -> np.ndarray | None:
-        return self._bias(0)
-
-    @property
-    def b_key(self) -> np.ndarray | None:
-        return self._bias(1)
-
-    @property
-    def b_value(self) -> np.ndarray | None:
-        return self._bias(2)
+    def _cols(self, part: int) -> slice:
+        """Columns of part 0 (queries), 1 (keys) or 2 (values) in the packed projection."""
+        starts = (0, self.d_out, self.d_out + self.kv_dim, self.d_out + 2 * self.kv_dim)
+        return slice(starts[part], starts[part + 1])
 
     def __repr__(self) -> str:
         kv = f", num_kv_heads={self.num_kv_heads}" if self.num_kv_heads != self.num_heads else ""
@@ -547,75 +515,58 @@ class MultiHeadAttention(_Module):
                 f"num_heads={self.num_heads}, qkv_bias={self.qkv_bias}{kv}, "
                 f"dtype={self.dtype.name})")
 
-    def new_cache(self, batch_size: int, max_len: int, dtype: Any = None) -> KVCache:
-        """An empty KV cache (dtype defaults to the module's; float16 halves its memory).
+    def _cache_geometry(self) -> tuple[int, int]:
+        return self.num_kv_heads, self.head_dim
 
-        It stores only the ``num_kv_heads`` key/value heads, and with a sliding
-        window only the last ``window`` tokens (a ring buffer).
-        """
-        return KVCache(batch_size, max_len, self.num_kv_heads, self.head_dim,
-                       self.dtype if dtype is None else dtype, window=self.window)
-
-    def __call__(self, x: Any, *, cache: KVCache | None = None, key_padding_mask: Any = None,
-                 return_weights: bool = False, training: bool = False,
-                 num_threads: int | None = None) -> Any:
-        """Attend every head of x in one kernel call, then project.
-
-        Parameters
-        ----------
-        x : array, shape (B, T, d_in) or (T, d_in)
-        cache : KVCache, optional
-            From :meth:`new_cache`: x's keys and values are appended and its
-            queries attend over everything cached (query at absolute position p
-            sees keys 0..p).
-        key_padding_mask : bool array (B, T), optional
-            True marks padding tokens of x (e.g. left padding of short prompts);
-            nothing attends to them.
-
-        Returns
-        -------
-        out : ndarray, shape (B, T, d_out) or (T, d_out)
-        weights : ndarray, shape (B, num_heads, T, S) or (num_heads, T, S),
-            with ``return_weights=True`` (S = keys attended)
-        """
-        xb, single = self._prepare_input(x)
-        B, T, _ = xb.shape
-        pad = self._check_padding(key_padding_mask, B, T)
-        with in_use(cache):
-            self._check_cache(cache, B, T, self.num_kv_heads, self.head_dim)
-            p, seed = self._dropout_for_call(training)
-            nt = _config.resolve_num_threads(num_threads)
-            with _blas.single_threaded_blas(B * T) as split:
-                y, w = self._forward(xb, pad, cache, p, seed, return_weights, nt, split)
-            if cache is not None:
-                cache._commit(T, pad)
-        if single:
-            y = y[0]
-            w = None if w is None else w[0]
-        return (y, w) if return_weights else y
-
-    def _forward(self, xb: np.ndarray, pad: np.ndarray | None, cache: KVCache | None, p: float,
-                 seed: int, return_weights: bool, nt: int,
-                 split: bool) -> tuple[np.ndarray, np.ndarray | None]:
+    def _forward(self, xb: np.ndarray, pad: np.ndarray | None, step: CacheStep | None,
+                 training: bool, return_weights: bool,
+                 nt: int) -> tuple[np.ndarray, np.ndarray | None]:
         B, T, _ = xb.shape
         H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
-        # one GEMM projects every head: (B, T, d_out + 2 kv_dim)
-        qkv = _blas.matmul(xb, self.W_qkv, nt, split)
-        if self.b_qkv is not None:
-            qkv += self.b_qkv
-        # strided (B, heads, T, D) views of the packed projection: no copies
-        q = qkv[..., self._cols(0)].reshape(B, T, H, D).transpose(0, 2, 1, 3)
-        k = qkv[..., self._cols(1)].reshape(B, T, Hkv, D).transpose(0, 2, 1, 3)
-        v = qkv[..., self._cols(2)].reshape(B, T, Hkv, D).transpose(0, 2, 1, 3)
-        merged = np.empty((B, T, H * D), dtype=self.dtype)  # the kernel writes heads merged
-        res = self._attend(q, k, v, pad, cache, slice(None), p=p, seed=seed,
-                           return_weights=return_weights, nt=nt,
-                           out=merged.reshape(B, T, H, D).transpose(0, 2, 1, 3))
-        y = _blas.matmul(merged, self.W_out, nt, split)
+        p, seed = self._dropout_for_call(training)
+        with _blas.single_threaded_blas(B * T) as chunked:
+            # one GEMM projects every head: (B, T, d_out + 2 kv_dim)
+            qkv = _blas.matmul(xb, self.W_qkv, nt, chunked)
+            if self.b_qkv is not None:
+                qkv += self.b_qkv
+            # strided (B, heads, T, D) views of the packed projection: no copies
+            q = qkv[..., self._cols(0)].reshape(B, T, H, D).transpose(0, 2, 1, 3)
+            k = qkv[..., self._cols(1)].reshape(B, T, Hkv, D).transpose(0, 2, 1, 3)
+            v = qkv[..., self._cols(2)].reshape(B, T, Hkv, D).transpose(0, 2, 1, 3)
+            merged = np.empty((B, T, H * D), dtype=self.dtype)  # the kernel writes heads merged
+            res = self._attend(q, k, v, pad, step, p=p, seed=seed,
+                               return_weights=return_weights, nt=nt,
+                               out=merged.reshape(B, T, H, D).transpose(0, 2, 1, 3))
+            y = _blas.matmul(merged, self.W_out, nt, chunked)
         y += self.b_out
         return y, (res[1] if return_weights else None)
 
-    forward = __call__
+    # -- weights in and out ----------------------------------------------------------------
+    def to_weights(self) -> FusedWeights:
+        """The module's weights (copies) as a :class:`~manyheads.interop.FusedWeights`."""
+        if self.num_kv_heads != self.num_heads:
+            raise ValueError("to_weights() needs num_kv_heads == num_heads; independent "
+                             "heads cannot share key/value weights")
+        bias = [None if b is None else b.copy() for b in (self.b_query, self.b_key, self.b_value)]
+        return FusedWeights(d_in=self.d_in, d_out=self.d_out, num_heads=self.num_heads,
+                            W_q=self.W_query.copy(), W_k=self.W_key.copy(),
+                            W_v=self.W_value.copy(), b_q=bias[0], b_k=bias[1], b_v=bias[2],
+                            W_out=self.W_out.copy(), b_out=self.b_out.copy(), scale=self.scale,
+                            dropout=self.dropout)
+
+    @classmethod
+    def from_weights(cls, w: FusedWeights, context_length: int, *, window: int | None = None,
+                     dtype: Any = np.float32) -> "MultiHeadAttention":
+        """A fused module with these weights (copied); no output projection becomes the identity."""
+        m = cls(w.d_in, w.d_out, context_length, w.dropout, w.num_heads, w.b_q is not None,
+                window=window, scale=w.scale, dtype=dtype, seed=0)
+        m.W_query, m.W_key, m.W_value = w.W_q, w.W_k, w.W_v
+        if m.b_qkv is not None:
+            assert w.b_q is not None and w.b_k is not None and w.b_v is not None
+            m.b_qkv[...] = np.concatenate([w.b_q, w.b_k, w.b_v])
+        m.W_out[...] = np.eye(m.d_out) if w.W_out is None else w.W_out
+        m.b_out[...] = 0 if w.b_out is None else w.b_out
+        return m
 
     @classmethod
     def from_torch(cls, module: Any, *, context_length: int | None = None,
@@ -628,20 +579,23 @@ class MultiHeadAttention(_Module):
         and Hugging Face GPT-2 attention.  Anything else raises TypeError.
         Its causal output equals the source module's.
         """
-        from . import interop
-
         w = interop.fused_weights(module, dtype)
-        ctx = context_length or interop.context_length_of(module)
-        qkv_bias = w["b_q"] is not None
-        m = cls(w["d_in"], w["d_out"], ctx, w["dropout"], w["num_heads"], qkv_bias,
-                scale=w["scale"], dtype=dtype, seed=0)
-        m.W_query, m.W_key, m.W_value = w["W_q"], w["W_k"], w["W_v"]
-        if qkv_bias:
-            assert m.b_qkv is not None
-            m.b_qkv[...] = np.concatenate([w["b_q"], w["b_k"], w["b_v"]])
-        m.W_out[...] = np.eye(m.d_out) if w["W_out"] is None else w["W_out"]
-        m.b_out[...] = 0 if w["b_out"] is None else w["b_out"]
-        return m
+        return cls.from_weights(w, context_length or interop.context_length_of(module),
+                                dtype=dtype)
+
+    def to_stacked(self) -> StackedMultiHeadAttention:
+        """A :class:`StackedMultiHeadAttention` with the same weights (copied) and outputs."""
+        if self.num_kv_heads != self.num_heads:
+            raise ValueError(
+                "to_stacked() needs num_kv_heads == num_heads; independent heads cannot "
+                "share key/value weights"
+            )
+        if self.scale is not None and not np.isclose(self.scale, self.head_dim ** -0.5):
+            raise ValueError("to_stacked() needs the default scale 1/sqrt(head_dim)")
+        w = self.to_weights()
+        w.scale = None
+        return StackedMultiHeadAttention.from_weights(w, self.context_length,
+                                                      window=self.window, dtype=self.dtype)
 
     FORMAT_VERSION = 1
 
@@ -675,10 +629,9 @@ class MultiHeadAttention(_Module):
             _, d_in, d_out, ctx, H, Hkv, window = (int(x) for x in meta)
             scale = float(f["scale"])
             W_qkv = f["W_qkv"]
-            dtype = W_qkv.dtype
             m = cls(d_in, d_out, ctx, float(f["dropout"]), H, "b_qkv" in files, num_kv_heads=Hkv,
                     window=None if window < 0 else window,
-                    scale=None if np.isnan(scale) else scale, dtype=dtype, seed=0)
+                    scale=None if np.isnan(scale) else scale, dtype=W_qkv.dtype, seed=0)
             for name in ("W_qkv", "W_out", "b_out") + (("b_qkv",) if "b_qkv" in files else ()):
                 arr, target = f[name], getattr(m, name)
                 if arr.shape != target.shape:
@@ -686,31 +639,3 @@ class MultiHeadAttention(_Module):
                                      f"{target.shape}")
                 target[...] = arr
         return m
-
-    def to_stacked(self) -> StackedMultiHeadAttention:
-        """A :class:`StackedMultiHeadAttention` with the same weights (copied) and outputs."""
-        if self.num_kv_heads != self.num_heads:
-            raise ValueError(
-                "to_stacked() needs num_kv_heads == num_heads; independent heads cannot "
-                "share key/value weights"
-            )
-        if self.scale is not None and not np.isclose(self.scale, self.head_dim ** -0.5):
-            raise ValueError("to_stacked() needs the default scale 1/sqrt(head_dim)")
-        st = StackedMultiHeadAttention(self.d_in, self.d_out, self.context_length, self.dropout,
-                                       self.num_heads, self.qkv_bias, window=self.window,
-                                       dtype=self.dtype, seed=0)
-        D = self.head_dim
-        for h, head in enumerate(st.heads):
-            cols = slice(h * D, (h + 1) * D)
-            head.W_query[...] = self.W_query[:, cols]
-            head.W_key[...] = self.W_key[:, cols]
-            head.W_value[...] = self.W_value[:, cols]
-            if self.qkv_bias:
-                for name, src in (("b_query", self.b_query), ("b_key", self.b_key),
-                                  ("b_value", self.b_value)):
-                    assert src is not None
-                    getattr(head, name)[...] = src[cols]
-        assert st.W_out is not None and st.b_out is not None
-        st.W_out[...] = self.W_out
-        st.b_out[...] = self.b_out
-        return st

@@ -1,0 +1,159 @@
+"""The checked-input core: turns NumPy arrays into one kernel call.
+
+Everything here trusts its arguments (the public entry points in
+``functional``, ``modules`` and ``cache`` have checked them).  Its job is to
+fold batch broadcasting, grouped-query head sharing and arbitrary strides into
+one offset table per operand, since the kernels address every operand as
+``base + offset[pair] + row * row_stride + col``, and to fill a
+``_kernels.AttentionCall`` through its named setters.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+from . import _config, _kernels
+
+__all__ = ["attention", "kernel_ready", "SPLIT_KEYS"]
+
+# keys per range in the split-key schedule; fixed, so results never depend on the thread count
+SPLIT_KEYS = 512
+
+
+def kernel_ready(arr: np.ndarray, contiguous_rows: bool = True) -> np.ndarray:
+    """The array itself when the kernels can read it through strides, else a copy.
+
+    The kernels need an aligned buffer, strides that are whole elements and
+    (except for masks) a contiguous last axis; transposed or sliced views
+    usually qualify.  Call this before broadcasting, so a copy stays small.
+    """
+    if arr.flags.c_contiguous and arr.flags.aligned:
+        return arr
+    item = arr.itemsize
+    ok = arr.flags.aligned and not any(s % item for s in arr.strides)
+    if ok and contiguous_rows and arr.ndim and arr.shape[-1] > 1 and arr.strides[-1] != item:
+        ok = False
+    # a fresh copy: ascontiguousarray would hand back a contiguous but misaligned array
+    return arr if ok else np.array(arr, order="C", copy=True)
+
+
+def broadcast_shapes(names: str, *shapes: tuple[int, ...]) -> tuple[int, ...]:
+    """The common shape of ``shapes``; ValueError naming ``names`` if they do not broadcast."""
+    if all(s == shapes[0] for s in shapes[1:]):
+        return tuple(shapes[0])
+    try:
+        return tuple(np.broadcast_shapes(*shapes))
+    except ValueError:
+        raise ValueError(
+            f"batch dimensions of {names} do not broadcast: " + ", ".join(str(s) for s in shapes)
+        ) from None
+
+
+def _broadcast(arr: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+    return arr if arr.shape == shape else np.broadcast_to(arr, shape)
+
+
+def _row_stride(view: np.ndarray, axis: int = -2) -> int:
+    return int(view.strides[axis] // view.itemsize)
+
+
+def _pair_views(q: np.ndarray, k: np.ndarray, v: np.ndarray, enable_gqa: bool
+                ) -> tuple[tuple[int, ...], np.ndarray, np.ndarray, np.ndarray, int]:
+    """Batch shape (.., Hq) and views of q, k, v with one (L|S, E) matrix per pair.
+
+    With grouped-query attention, kv head h // group serves query head h: k and
+    v become (.., Hkv, group, S, E) broadcast views.  Returns the batch shape,
+    the three views and the number of leading axes of the k/v views.
+    """
+    L, E = q.shape[-2:]
+    S, Ev = v.shape[-2:]
+    if enable_gqa:
+        hq, hkv = q.shape[-3], k.shape[-3]
+        outer = broadcast_shapes("query, key and value", q.shape[:-3], k.shape[:-3],
+                                 v.shape[:-3])
+        batch = outer + (hq,)
+        kv_shape = outer + (hkv, hq // hkv)
+        kv = np.broadcast_to(k[..., :, None, :, :], kv_shape + (S, E))
+        vv = np.broadcast_to(v[..., :, None, :, :], kv_shape + (S, Ev))
+        return batch, _broadcast(q, batch + (L, E)), kv, vv, len(kv_shape)
+    batch = broadcast_shapes("query, key and value", q.shape[:-2], k.shape[:-2], v.shape[:-2])
+    return (batch, _broadcast(q, batch + (L, E)), _broadcast(k, batch + (S, E)),
+            _broadcast(v, batch + (S, Ev)), len(batch))
+
+
+def attention(
+    q: np.ndarray,
+    k: np.ndarray,
+    v: np.ndarray,
+    *,
+    scale: float,
+    num_threads: int,
+    mask: np.ndarray | None = None,
+    causal_offset: int | None = None,
+    window: int | None = None,
+    dropout_p: float = 0.0,
+    seed: int = 0,
+    enable_gqa: bool = False,
+    return_weights: bool = False,
+    out: np.ndarray | None = None,
+    split: bool | None = None,
+) -> Any:
+    """softmax(q kᵀ scale + mask) v over checked (..., L|S, E) arrays.
+
+    ``causal_offset=c`` lets query ``i`` see keys ``j <= i + c`` (None: no
+    causal mask); ``window=W`` (with a causal offset) also hides keys more
+    than W-1 positions back.  ``out``, if given, is a writable view of the
+    output shape (it may be strided, e.g. the merged-heads layout of a fused
+    module).  k and v may be float16 (a KV cache) when q is float32.
+    ``split`` forces (True) or forbids (False) the split-key schedule; by
+    default it serves a few query rows against many keys.  Returns the output,
+    or ``(output, weights)`` with ``return_weights``.
+    """
+    L, E = q.shape[-2:]
+    S, Ev = v.shape[-2:]
+    kv_half = k.dtype == np.float16
+    q = kernel_ready(q)
+    k = kernel_ready(k.view(np.uint16) if kv_half else k)
+    v = kernel_ready(v.view(np.uint16) if kv_half else v)
+    batch, qv, kv, vv, n_kv_batch = _pair_views(q, k, v, enable_gqa)
+    nb = len(batch)
+    mv = None
+    if mask is not None:
+        mask = kernel_ready(mask, contiguous_rows=False)
+        try:
+            mv = _broadcast(mask, batch + (L, S))
+        except ValueError:
+            raise ValueError(
+                f"attn_mask of shape {mask.shape} does not broadcast to {batch + (L, S)}"
+            ) from None
+
+    if out is None:
+        out = np.empty(batch + (L, Ev), dtype=q.dtype)
+    weights = np.zeros(batch + (L, S), dtype=q.dtype) if return_weights else None
+    n_pairs = math.prod(batch)
+    if n_pairs and L and (S == 0 or Ev == 0):
+        out[...] = 0
+    if n_pairs and L and S and Ev:
+        offsets = _kernels.batch_offsets
+        call = _kernels.AttentionCall(q.dtype == np.float64, n_pairs, L, S, E, Ev)
+        call.set_query(qv, offsets(qv, nb), _row_stride(qv))
+        call.set_keys_values(kv, offsets(kv, n_kv_batch), _row_stride(kv),
+                             vv, offsets(vv, n_kv_batch), _row_stride(vv), kv_half)
+        call.set_output(out, offsets(out, nb), _row_stride(out))
+        if mv is not None:
+            call.set_mask(mv, offsets(mv, nb), _row_stride(mv), _row_stride(mv, -1))
+        if causal_offset is not None:
+            call.set_causal(int(causal_offset), 0 if window is None else int(window))
+        call.set_scale(float(scale))
+        if dropout_p > 0:
+            call.set_dropout(float(dropout_p), int(seed))
+        if weights is not None:
+            call.set_weights(weights)
+        if split is None:
+            split = L <= _kernels.FEW_ROWS and S >= 2 * SPLIT_KEYS
+        split = bool(split) and weights is None and dropout_p == 0 and L <= _kernels.BLOCK_Q
+        with _config.kernel_call(int(num_threads)) as share:
+            call.run(share.threads, SPLIT_KEYS if split else 0)
+    return (out, weights) if return_weights else out

@@ -1,0 +1,111 @@
+"""Argument checks shared by every public entry point.
+
+One rule for which exception a mistake raises: a value of the wrong **type**
+(a float where an int is needed, a string where a number is needed, an
+unsupported dtype) raises ``TypeError``; a value of the right type that is out
+of range or has the wrong shape raises ``ValueError``.  Every message names
+the argument and says what was expected.
+"""
+from __future__ import annotations
+
+import math
+import numbers
+from typing import Any
+
+import numpy as np
+
+FLOAT_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
+FLOAT_DTYPES_TEXT = "float32 or float64"
+
+
+def check_int(value: Any, name: str, minimum: int | None = None) -> int:
+    """``value`` as an int; TypeError unless it is an integer (bools are not), ValueError below ``minimum``."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    result = int(value)
+    if minimum is not None and result < minimum:
+        raise ValueError(f"{name} must be at least {minimum}, got {result}")
+    return result
+
+
+def check_optional_int(value: Any, name: str, minimum: int | None = None) -> int | None:
+    return None if value is None else check_int(value, name, minimum)
+
+
+def check_real(value: Any, name: str, *, low: float | None = None, high: float | None = None,
+               finite: bool = True) -> float:
+    """``value`` as a float; TypeError unless it is a real number, ValueError outside [low, high]."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a real number, got {type(value).__name__}")
+    result = float(value)
+    if finite and not math.isfinite(result):
+        raise ValueError(f"{name} must be finite, got {result}")
+    if (low is not None and result < low) or (high is not None and result > high):
+        raise ValueError(f"{name} must be in [{low}, {high}], got {result}")
+    return result
+
+
+def check_optional_real(value: Any, name: str) -> float | None:
+    return None if value is None else check_real(value, name)
+
+
+def check_bool(value: Any, name: str) -> bool:
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
+    return bool(value)
+
+
+def check_dropout(value: Any, name: str = "dropout_p") -> float:
+    """A dropout probability in [0, 1]."""
+    return check_real(value, name, low=0.0, high=1.0)
+
+
+def seed_value(seed: Any, name: str = "seed") -> int:
+    """A 64-bit dropout seed from None (fresh entropy), an int or a numpy Generator."""
+    if seed is None:
+        return int(np.random.default_rng().integers(0, 2**63))
+    if isinstance(seed, np.random.Generator):
+        return int(seed.integers(0, 2**63))
+    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
+        raise TypeError(f"{name} must be None, an int or a numpy Generator, "
+                        f"got {type(seed).__name__}")
+    return int(seed) & (2**64 - 1)
+
+
+def rng_from_seed(seed: Any, name: str = "seed") -> np.random.Generator:
+    """A Generator: ``seed`` itself if it is one, else ``default_rng(seed)`` (None or an int)."""
+    if isinstance(seed, np.random.Generator):
+        return seed
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, numbers.Integral)):
+        raise TypeError(f"{name} must be None, an int or a numpy Generator, "
+                        f"got {type(seed).__name__}")
+    return np.random.default_rng(None if seed is None else int(seed))
+
+
+def check_float_dtype(dtype: Any, name: str = "dtype") -> np.dtype:
+    """float32 or float64 as a numpy dtype; TypeError for anything else."""
+    try:
+        dt: np.dtype = np.dtype(dtype)
+    except TypeError:
+        raise TypeError(f"{name} must be {FLOAT_DTYPES_TEXT}, got {dtype!r}") from None
+    if dt not in FLOAT_DTYPES:
+        raise TypeError(f"{name} must be {FLOAT_DTYPES_TEXT}, got {dt}")
+    return dt
+
+
+def as_float_array(x: Any, name: str) -> np.ndarray:
+    """``x`` as a float32/float64 array (integer array-likes become float64); TypeError otherwise."""
+    if isinstance(x, np.ndarray):
+        arr = x
+    else:
+        if x is None:
+            raise TypeError(f"{name} must be an array of {FLOAT_DTYPES_TEXT}, got None")
+        try:
+            arr = np.asarray(x)
+        except Exception as exc:  # pragma: no cover - depends on foreign objects
+            raise TypeError(f"{name} must be array-like, got {type(x).__name__}") from exc
+        if arr.dtype.kind in "iu":
+            arr = arr.astype(np.float64)
+    if arr.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"{name} has dtype {arr.dtype}; supported dtypes are {FLOAT_DTYPES_TEXT}")
+    return arr
