@@ -109,7 +109,7 @@ class BuildExt(build_ext):
         if not msvc:
             self._drop_host_tuning()
         base = ["/O2"] if msvc else ["-O3", "-std=c99", "-fno-strict-aliasing"]
-        isa_flags = {"mh_baseline.c": [], "mh_dispatch.c": []}
+        isa_flags = {"mh_baseline.c": [], "mh_dispatch.c": [], "mh_linear.c": []}
         if _is_x86_target():
             if msvc:
                 isa_flags["mh_avx2.c"] = ["/arch:AVX2"]
@@ -128,7 +128,8 @@ class BuildExt(build_ext):
                     include_dirs=[CSRC],
                     extra_postargs=base + flags,
                     depends=[os.path.join(CSRC, h) for h in
-                             ("mh_kernels.h", "mh_attention_impl.h", "mh_exp.h")],
+                             ("mh_kernels.h", "mh_attention_impl.h", "mh_linear_impl.h",
+                              "mh_isa_end.h", "mh_exp.h")],
                 )
             ext.extra_objects = objects + list(ext.extra_objects or [])
             if omp is not None:

@@ -707,32 +707,3 @@ void FN(mh_merge_item)(const mh_attn_args *a, int64_t pair, void *scratch)
         for (int64_t d = 0; d < Ev; ++d) out[i * a->out.row + d] = acc[d] * inv;
     }
 }
-
-/* the instantiation macros are consumed: the next instantiation redefines them */
-#undef BQ
-#undef BK
-#undef T
-#undef V
-#undef VW
-#undef NVQ
-#undef JR
-#undef NVO
-#undef IR
-#undef FN
-#undef V_ZERO
-#undef V_SET1
-#undef V_LOAD
-#undef V_STORE
-#undef V_ADD
-#undef V_SUB
-#undef V_MUL
-#undef V_MAX
-#undef V_FMA
-#undef V_EXP
-#undef V_NEG_INF_TO_ZERO
-#undef V_HSUM
-#undef MH_LOAD_KV
-#undef MH_KV_AT
-#ifdef V_LOAD_HALF
-#undef V_LOAD_HALF
-#endif

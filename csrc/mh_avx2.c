@@ -74,6 +74,8 @@ static inline __m256 mh_exp_f32_avx2(__m256 x)
 }
 
 #include "mh_attention_impl.h"
+#include "mh_linear_impl.h"
+#include "mh_isa_end.h"
 
 /* ---------------------------------------------------------------- float64 */
 #define T double
@@ -118,9 +120,12 @@ static inline __m256d mh_exp_f64_avx2(__m256d x)
 }
 
 #include "mh_attention_impl.h"
+#include "mh_linear_impl.h"
+#include "mh_isa_end.h"
 
 const mh_kernel_table mh_table_avx2 = {
     "avx2", mh_block_item_f32_avx2, mh_block_item_f64_avx2, mh_split_item_f32_avx2,
     mh_split_item_f64_avx2, mh_merge_item_f32_avx2, mh_merge_item_f64_avx2,
+    mh_linear_rows_item_f32_avx2, mh_linear_rows_item_f64_avx2,
     mh_exp_array_f32_avx2, mh_exp_array_f64_avx2};
 #endif

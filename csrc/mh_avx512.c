@@ -56,6 +56,8 @@ static inline __m512 mh_exp_f32_avx512(__m512 x)
 }
 
 #include "mh_attention_impl.h"
+#include "mh_linear_impl.h"
+#include "mh_isa_end.h"
 
 /* ---------------------------------------------------------------- float64 */
 #define T double
@@ -98,9 +100,12 @@ static inline __m512d mh_exp_f64_avx512(__m512d x)
 }
 
 #include "mh_attention_impl.h"
+#include "mh_linear_impl.h"
+#include "mh_isa_end.h"
 
 const mh_kernel_table mh_table_avx512 = {
     "avx512", mh_block_item_f32_avx512, mh_block_item_f64_avx512, mh_split_item_f32_avx512,
     mh_split_item_f64_avx512, mh_merge_item_f32_avx512, mh_merge_item_f64_avx512,
+    mh_linear_rows_item_f32_avx512, mh_linear_rows_item_f64_avx512,
     mh_exp_array_f32_avx512, mh_exp_array_f64_avx512};
 #endif

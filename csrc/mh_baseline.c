@@ -131,6 +131,8 @@ MH_UNARY(mh_v2d, double, 2, v2d_ninf0, t == -INFINITY ? 0.0 : t)
 #define V_NEG_INF_TO_ZERO(x) v4f_ninf0(x)
 #define V_HSUM(v) ((MH_LANE(v, 0) + MH_LANE(v, 1)) + (MH_LANE(v, 2) + MH_LANE(v, 3)))
 #include "mh_attention_impl.h"
+#include "mh_linear_impl.h"
+#include "mh_isa_end.h"
 
 /* ---------------------------------------------------------------- float64 */
 #define T double
@@ -154,8 +156,11 @@ MH_UNARY(mh_v2d, double, 2, v2d_ninf0, t == -INFINITY ? 0.0 : t)
 #define V_NEG_INF_TO_ZERO(x) v2d_ninf0(x)
 #define V_HSUM(v) (MH_LANE(v, 0) + MH_LANE(v, 1))
 #include "mh_attention_impl.h"
+#include "mh_linear_impl.h"
+#include "mh_isa_end.h"
 
 const mh_kernel_table mh_table_baseline = {
     "baseline", mh_block_item_f32_baseline, mh_block_item_f64_baseline, mh_split_item_f32_baseline,
     mh_split_item_f64_baseline, mh_merge_item_f32_baseline, mh_merge_item_f64_baseline,
+    mh_linear_rows_item_f32_baseline, mh_linear_rows_item_f64_baseline,
     mh_exp_array_f32_baseline, mh_exp_array_f64_baseline};

@@ -42,7 +42,7 @@ extern "C" {
 
 #define MH_BLOCK_Q 64   /* query rows per work item */
 #define MH_BLOCK_K 64   /* keys per streamed block */
-#define MH_FEW_ROWS 4   /* up to this many query rows take the few-rows path (decode) */
+#define MH_FEW_ROWS 4   /* up to this many rows take the few-rows paths (decode) */
 #define MH_SCRATCH_ALIGN 64 /* bytes; every scratch part starts on such a boundary */
 
 enum mh_mask_kind { MH_MASK_NONE = 0, MH_MASK_BOOL = 1, MH_MASK_ADD = 2 };
@@ -120,11 +120,50 @@ typedef void (*mh_split_fn)(const mh_attn_args *args, int64_t pair, int64_t rang
 /* Merge of pair `pair`'s ranges into the output (scratch: >= Ev elements). */
 typedef void (*mh_merge_fn)(const mh_attn_args *args, int64_t pair, void *scratch);
 
+/* A dense projection out = x @ w (+ bias), row-major, strides in elements:
+   x (m, k), w (k, n), bias (n,) or NULL, out (m, n).  Work items:
+   - few rows (m <= MH_FEW_ROWS): column blocks of MH_LINEAR_COLS, computed by
+     the ISA kernels (mh_linear_rows_fn), memory-bound: w is streamed once;
+   - more rows: tiles of tile_m x tile_n, each one single-threaded call of a
+     BLAS gemm (mh_linear_tile_f32/f64 below).
+   Every output element is summed over k in the same order whatever the
+   tiling and thread count, so results are reproducible bit for bit. */
+#define MH_LINEAR_COLS 128
+
+/* Fortran BLAS gemm (column-major), as SciPy's cython_blas exposes it. */
+typedef void (*mh_sgemm_fn)(const char *transa, const char *transb, const int *m, const int *n,
+                            const int *k, const float *alpha, const float *a, const int *lda,
+                            const float *b, const int *ldb, const float *beta, float *c,
+                            const int *ldc);
+typedef void (*mh_dgemm_fn)(const char *transa, const char *transb, const int *m, const int *n,
+                            const int *k, const double *alpha, const double *a, const int *lda,
+                            const double *b, const int *ldb, const double *beta, double *c,
+                            const int *ldc);
+
+typedef struct mh_linear_args {
+    int64_t m, k, n;
+    const void *x; int64_t x_row;
+    const void *w; int64_t w_row;
+    const void *bias;
+    void *out; int64_t out_row;
+    int64_t tile_m, tile_n; /* BLAS tiles (more-rows path) */
+    mh_sgemm_fn sgemm;
+    mh_dgemm_fn dgemm;
+} mh_linear_args;
+
+/* Column block `block` of the few-rows path (ISA kernels). */
+typedef void (*mh_linear_rows_fn)(const mh_linear_args *args, int64_t block);
+
+/* Tile `tile` (row-tile major) of the more-rows path through the BLAS. */
+void mh_linear_tile_f32(const mh_linear_args *args, int64_t tile);
+void mh_linear_tile_f64(const mh_linear_args *args, int64_t tile);
+
 typedef struct mh_kernel_table {
     const char *name;
     mh_block_fn block_f32, block_f64;
     mh_split_fn split_f32, split_f64;
     mh_merge_fn merge_f32, merge_f64;
+    mh_linear_rows_fn linear_rows_f32, linear_rows_f64;
     void (*exp_f32)(const float *x, float *y, int64_t n);   /* the path's vector exp */
     void (*exp_f64)(const double *x, double *y, int64_t n);
 } mh_kernel_table;

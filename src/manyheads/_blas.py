@@ -1,96 +1,152 @@
-"""Projection GEMMs that take turns with the attention kernel's threads.
+"""The BLAS behind the modules' projections, run on manyheads' own threads.
 
-The modules' projections use NumPy's matmul (BLAS).  A multi-threaded BLAS
-such as OpenBLAS keeps its worker threads spinning for a while after each
-call; on a small machine they then compete for the cores with the kernel's
-OpenMP threads that run next, and the whole layer slows down.  So inside a
-module call the BLAS is limited to one thread (threadpoolctl), and a large
-projection is split into row chunks that run on ``num_threads`` Python threads
-(NumPy releases the GIL in matmul): the same cores do the same work, and no
-idle pool spins while the other works.  Without threadpoolctl the projections
-fall back to one plain matmul.
+Large projections (more than a few rows) are cut into tiles whose layout
+depends on the shape alone; each tile is one single-threaded ``sgemm``/``dgemm``
+call made from one of manyheads' OpenMP threads, as scikit-learn's GIL-free
+reductions do.  The BLAS is SciPy's (``scipy.linalg.cython_blas``), reached
+through the function pointers it publishes for Cython, so nothing is linked
+at build time.  While such a call runs, SciPy's BLAS is held at one thread
+(reference-counted across concurrent calls), so its own pool never wakes up
+and every tile runs the same single-threaded kernel: results are the same
+bits for any thread count and any number of concurrent callers.  NumPy's own
+BLAS is not used inside a module call at all.
 
-Side effect: while a module call runs, BLAS calls made by other threads of
-the process are single-threaded too.
+Without SciPy the projections fall back to NumPy's matmul on the calling
+thread (NumPy's BLAS pool then does the work; correct, but not one pool).
 """
 from __future__ import annotations
 
-import math
+import ctypes
+import os
 import threading
-from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import Any, Iterator
 
-import numpy as np
+from . import _kernels
 
-_MIN_ROWS_PER_CHUNK = 32  # below this a split costs more than it saves
 _lock = threading.Lock()
-_state: dict[str, Any] = {"controller": None, "checked": False, "pool": None, "workers": 0}
+_state: dict[str, Any] = {"loaded": False, "controller": None, "holders": 0, "saved": None,
+                          "info": None}
 
 
-def _controller() -> Any:
-    if not _state["checked"]:
-        with _lock:
-            if not _state["checked"]:
-                try:
-                    # threadpoolctl ships no type information (no py.typed, no stubs)
-                    from threadpoolctl import ThreadpoolController  # type: ignore[import-untyped]
-
-                    ctl = ThreadpoolController().select(user_api="blas")
-                    _state["controller"] = ctl if len(ctl.lib_controllers) else None
-                except Exception:  # threadpoolctl missing or unable to inspect the process
-                    _state["controller"] = None
-                _state["checked"] = True
-    return _state["controller"]
+def _capsule_address(capsule: Any) -> int:
+    get_name = ctypes.pythonapi.PyCapsule_GetName
+    get_name.restype = ctypes.c_char_p
+    get_name.argtypes = [ctypes.py_object]
+    get_pointer = ctypes.pythonapi.PyCapsule_GetPointer
+    get_pointer.restype = ctypes.c_void_p
+    get_pointer.argtypes = [ctypes.py_object, ctypes.c_char_p]
+    address = get_pointer(capsule, get_name(capsule))
+    if not address:
+        raise RuntimeError("empty capsule")
+    return int(address)
 
 
-def _pool(workers: int) -> ThreadPoolExecutor:
+def _load() -> None:
+    """Find SciPy's gemm functions and its BLAS library's thread control (once)."""
+    if _state["loaded"]:
+        return
     with _lock:
-        if _state["pool"] is None or _state["workers"] < workers:
-            if _state["pool"] is not None:
-                _state["pool"].shutdown(wait=False)
-            _state["pool"] = ThreadPoolExecutor(max_workers=workers,
-                                                thread_name_prefix="manyheads-gemm")
-            _state["workers"] = workers
-        pool: ThreadPoolExecutor = _state["pool"]
-        return pool
+        if _state["loaded"]:
+            return
+        try:
+            from scipy.linalg import cython_blas  # type: ignore[import-untyped]
+
+            capi = cython_blas.__pyx_capi__
+            sgemm = _capsule_address(capi["sgemm"])
+            _kernels.set_blas(sgemm, _capsule_address(capi["dgemm"]))
+        except Exception as exc:  # SciPy missing or without the Cython BLAS API
+            _state["info"] = f"none usable ({type(exc).__name__}: {exc}); NumPy matmul instead"
+        else:
+            _state["controller"], _state["info"] = _blas_controller(
+                os.path.dirname(os.path.realpath(cython_blas.__file__)))
+        _state["loaded"] = True
+
+
+def _blas_controller(linalg_dir: str) -> tuple[Any, str]:
+    """threadpoolctl's handle on the BLAS library behind SciPy's cython_blas, and a
+    description of it.  Wheels keep that library inside SciPy's tree (``scipy.libs``,
+    ``scipy/.dylibs``); with one BLAS in the whole process, that one is it."""
+    scipy_dir = os.path.dirname(linalg_dir)
+    try:
+        # threadpoolctl ships no type information (no py.typed, no stubs)
+        from threadpoolctl import ThreadpoolController  # type: ignore[import-untyped]
+
+        blas = ThreadpoolController().select(user_api="blas").lib_controllers
+    except Exception:
+        blas = []
+    inside = [c for c in blas if os.path.realpath(c.filepath).startswith((scipy_dir + os.sep,
+                                                                           scipy_dir + ".libs"))]
+    lib = inside[0] if inside else (blas[0] if len(blas) == 1 else None)
+    if lib is None:
+        return None, "scipy.linalg.cython_blas (its library's thread count is not controlled)"
+    return _ThreadCount(lib), (f"scipy.linalg.cython_blas: {lib.internal_api} {lib.version} "
+                               f"({lib.filepath})")
+
+
+class _ThreadCount:
+    """Get and set one BLAS library's thread count from any thread.
+
+    threadpoolctl lets only one thread (the first that set it) change OpenBLAS's
+    count and silently ignores the others; manyheads' calls come from any thread
+    and serialise their changes themselves, so OpenBLAS is driven directly.
+    """
+
+    def __init__(self, lib: Any) -> None:
+        self.lib = lib
+        self.get, self.set = lib.get_num_threads, lib.set_num_threads
+        if lib.internal_api == "openblas":
+            for prefix in ("", "scipy_"):
+                for suffix in ("", "64_"):
+                    get = getattr(lib.dynlib, f"{prefix}openblas_get_num_threads{suffix}", None)
+                    set_ = getattr(lib.dynlib, f"{prefix}openblas_set_num_threads{suffix}", None)
+                    if get is not None and set_ is not None:
+                        get.restype = ctypes.c_int
+                        set_.argtypes = [ctypes.c_int]
+                        self.get, self.set = get, set_
+                        return
+
+
+def available() -> bool:
+    """True when projection tiles can run on manyheads' threads."""
+    _load()
+    return bool(_kernels.has_blas())
+
+
+def describe() -> str:
+    _load()
+    return str(_state["info"])
 
 
 @contextmanager
-def single_threaded_blas(rows: int | None = None) -> Iterator[bool]:
-    """Limit the BLAS to one thread for the duration; yields whether a limit is in force
-    (and so whether :func:`matmul` should run row chunks on several threads).
-
-    With ``rows`` below two chunks there is nothing to chunk and BLAS runs such
-    small products on one thread anyway, so no limit is set (it costs ~10 us).
-    """
-    if rows is not None and rows < 2 * _MIN_ROWS_PER_CHUNK:
-        yield False
+def single_threaded() -> Iterator[None]:
+    """Hold SciPy's BLAS at one thread while any manyheads projection is running."""
+    _load()
+    lib = _state["controller"]
+    if lib is None:
+        yield
         return
-    ctl = _controller()
-    if ctl is None:
-        yield False
-        return
-    with ctl.limit(limits=1):
-        yield True
+    with _lock:
+        if _state["holders"] == 0:
+            _state["saved"] = lib.get()
+            if _state["saved"] != 1:
+                lib.set(1)
+        _state["holders"] += 1
+    try:
+        yield
+    finally:
+        with _lock:
+            _state["holders"] -= 1
+            if _state["holders"] == 0 and _state["saved"] not in (None, 1):
+                lib.set(_state["saved"])
 
 
-def matmul(a: np.ndarray, w: np.ndarray, num_threads: int, chunked: bool) -> np.ndarray:
-    """``a @ w`` for a of shape (..., k): row chunks on ``num_threads`` threads when ``chunked``."""
-    rows = math.prod(a.shape[:-1])
-    chunks = min(num_threads, rows // _MIN_ROWS_PER_CHUNK) if chunked else 1
-    if chunks <= 1:
-        product: np.ndarray = a @ w
-        return product
-    a2 = a.reshape(rows, a.shape[-1])
-    out = np.empty((rows, w.shape[1]), dtype=np.result_type(a, w))
-    bounds = np.linspace(0, rows, chunks + 1).astype(int)
-    pool = _pool(chunks - 1)
-    futures: list[Future[Any]] = [
-        pool.submit(np.matmul, a2[bounds[i]:bounds[i + 1]], w, out=out[bounds[i]:bounds[i + 1]])
-        for i in range(1, chunks)
-    ]
-    np.matmul(a2[: bounds[1]], w, out=out[: bounds[1]])
-    for f in futures:
-        f.result()
-    return out.reshape(a.shape[:-1] + (w.shape[1],))
+def reset_after_fork() -> None:
+    """In a forked child no other thread holds the BLAS: forget the parent's holders."""
+    global _lock
+    _lock = threading.Lock()
+    if _state["holders"]:
+        _state["holders"] = 0
+        lib = _state["controller"]
+        if lib is not None and _state["saved"] not in (None, 1):
+            lib.set(_state["saved"])

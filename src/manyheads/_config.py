@@ -10,7 +10,8 @@ import sys
 import threading
 from typing import TypedDict
 
-from . import _kernels
+from . import _blas, _kernels
+from ._platform import library_of
 from ._validate import check_int
 from ._version import __version__
 
@@ -26,9 +27,10 @@ class _State(TypedDict):
     num_threads: int | None
     isa: str | None
     isa_forced: bool
+    forked: bool
 
 
-_state: _State = {"num_threads": None, "isa": None, "isa_forced": False}
+_state: _State = {"num_threads": None, "isa": None, "isa_forced": False, "forked": False}
 
 
 def _choose_isa() -> str:
@@ -77,8 +79,12 @@ def set_num_threads(n: int | None) -> None:
 
 
 def get_num_threads() -> int:
-    """Number of threads the next kernel call will use (1 in a build without OpenMP)."""
-    if not _kernels.openmp_enabled():
+    """Number of threads the next kernel call will use.
+
+    1 in a build without OpenMP, and in a process forked from one that had
+    loaded manyheads (its OpenMP runtime's threads did not survive the fork).
+    """
+    if not _kernels.openmp_enabled() or _state["forked"]:
         return 1
     n = _state["num_threads"]
     return int(n) if n is not None else max(1, int(_kernels.omp_max_threads()))
@@ -100,11 +106,35 @@ def resolve_num_threads(n: object) -> int:
     if n is None:
         return min(get_num_threads(), max_threads())
     n = check_num_threads(n)
-    return min(n, max_threads()) if _kernels.openmp_enabled() else 1
+    return min(n, max_threads()) if _kernels.openmp_enabled() and not _state["forked"] else 1
 
 
 _active = {"calls": 0}
 _active_lock = threading.Lock()
+
+
+def _after_fork_in_child() -> None:
+    """A forked child has one thread: the parent's OpenMP (and BLAS) pool threads are
+    gone, and GNU OpenMP would wait for them forever.  Run serially from now on."""
+    global _active_lock
+    _state["forked"] = True
+    _active_lock = threading.Lock()
+    _active["calls"] = 0
+    _blas.reset_after_fork()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def openmp_library() -> str | None:
+    """Path of the OpenMP runtime library this extension's OpenMP calls go to.
+
+    With PyTorch imported first, for example, a build that links the system's
+    libgomp shares torch's copy.  None without OpenMP or when the platform
+    cannot tell.
+    """
+    return library_of(_kernels.openmp_entry_address())
 
 
 def threads_for_call(requested: int, active_calls: int) -> int:
@@ -142,6 +172,9 @@ def config() -> dict[str, object]:
         "isa_supported_by_cpu": runnable_isas(),
         "openmp": bool(_kernels.openmp_enabled()),
         "openmp_version": int(_kernels.openmp_version()),
+        "openmp_library": openmp_library(),
+        "forked_child": bool(_state["forked"]),
+        "blas": _blas.describe(),
         "num_threads": get_num_threads(),
         "block_q": int(_kernels.BLOCK_Q),
         "block_k": int(_kernels.BLOCK_K),
@@ -165,7 +198,10 @@ def show_config() -> None:
         f"  compiled paths   : {', '.join(c['isa_compiled'])}",  # type: ignore[arg-type]
         f"  CPU can run      : {', '.join(c['isa_supported_by_cpu'])}",  # type: ignore[arg-type]
         f"  OpenMP           : {omp}",
-        f"  threads          : {c['num_threads']}",
+        f"  OpenMP runtime   : {c['openmp_library'] or '-'}",
+        f"  threads          : {c['num_threads']}"
+        + (" (a forked child runs serially)" if c["forked_child"] else ""),
+        f"  projection BLAS  : {c['blas']}",
         f"  block (q x k)    : {c['block_q']} x {c['block_k']}",
         f"  numpy            : {c['numpy']}",
         f"  python           : {c['python']}",

@@ -10,13 +10,15 @@ one offset table per operand, since the kernels address every operand as
 from __future__ import annotations
 
 import math
+import threading
+from contextlib import nullcontext
 from typing import Any
 
 import numpy as np
 
-from . import _config, _kernels
+from . import _blas, _config, _kernels
 
-__all__ = ["attention", "kernel_ready", "SPLIT_KEYS"]
+__all__ = ["attention", "linear", "kernel_ready", "SPLIT_KEYS"]
 
 # keys per range in the split-key schedule; fixed, so results never depend on the thread count
 SPLIT_KEYS = 512
@@ -155,5 +157,44 @@ def attention(
             split = L <= _kernels.FEW_ROWS and S >= 2 * SPLIT_KEYS
         split = bool(split) and weights is None and dropout_p == 0 and L <= _kernels.BLOCK_Q
         with _config.kernel_call(int(num_threads)) as share:
-            call.run(share.threads, SPLIT_KEYS if split else 0)
+            call.run(share.threads, SPLIT_KEYS if split else 0, _on_main_thread())
     return (out, weights) if return_weights else out
+
+
+def _on_main_thread() -> bool:
+    """Only the main thread receives signals: its long calls look for Ctrl-C."""
+    return threading.current_thread() is threading.main_thread()
+
+
+def _rows_ready(a: np.ndarray) -> np.ndarray:
+    """``a`` (2-D) itself if its rows are contiguous and aligned, else a contiguous copy."""
+    if a.flags.aligned and (a.shape[1] <= 1 or a.strides[1] == a.itemsize) and \
+            a.strides[0] % a.itemsize == 0 and a.strides[0] >= a.shape[1] * a.itemsize:
+        return a
+    return np.array(a, order="C", copy=True)
+
+
+def linear(x: np.ndarray, w: np.ndarray, bias: np.ndarray | None, num_threads: int
+           ) -> np.ndarray:
+    """``x @ w + bias`` for x (..., k), w (k, n), bias (n,) or None, one float dtype.
+
+    Runs on manyheads' threads: a few rows (decode) through the kernels' own
+    memory-bound product, more rows as BLAS tiles (see ``_blas``).  The result
+    is the same bits for any thread count.
+    """
+    lead, k = x.shape[:-1], x.shape[-1]
+    x2 = _rows_ready(x.reshape(-1, k))
+    w2 = _rows_ready(w)
+    n = w2.shape[1]
+    out = np.empty((x2.shape[0], n), dtype=x2.dtype)
+    b = None if bias is None else np.ascontiguousarray(bias)
+    few = x2.shape[0] <= _kernels.FEW_ROWS
+    if few or _blas.available():
+        with _config.kernel_call(int(num_threads)) as share, \
+                (nullcontext() if few else _blas.single_threaded()):
+            _kernels.linear(x2, w2, b, out, share.threads, _on_main_thread())
+    else:
+        np.matmul(x2, w2, out=out)
+        if b is not None:
+            out += b
+    return out.reshape(lead + (n,))

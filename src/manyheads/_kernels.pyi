@@ -11,6 +11,8 @@ _Offsets = npt.NDArray[np.int64]
 BLOCK_Q: int
 BLOCK_K: int
 FEW_ROWS: int
+LINEAR_COLS: int
+SIGNAL_CHECK_SECONDS: float
 
 def isa_names() -> tuple[str, ...]:
     """Every kernel path this source knows, best first (whether compiled in or not)."""
@@ -34,6 +36,16 @@ def vector_exp(x: npt.ArrayLike) -> _FloatArray: ...
 def openmp_enabled() -> bool: ...
 def openmp_version() -> int: ...
 def omp_max_threads() -> int: ...
+def openmp_entry_address() -> int:
+    """Address of omp_get_max_threads as this extension bound it (0 without OpenMP)."""
+
+def set_blas(sgemm: int, dgemm: int) -> None:
+    """Use these Fortran-style sgemm/dgemm (e.g. SciPy's cython_blas) for projection tiles."""
+
+def has_blas() -> bool: ...
+def linear(x: _FloatArray, w: _FloatArray, bias: _FloatArray | None, out: _FloatArray,
+           num_threads: int, check_signals: bool = ...) -> None:
+    """out (m, n) = x (m, k) @ w (k, n) (+ bias), rows contiguous, one float dtype."""
 def batch_offsets(view: npt.NDArray[Any], n_batch: int) -> _Offsets:
     """Element offsets of every index over the first ``n_batch`` axes (C order), as int64."""
 
@@ -65,5 +77,6 @@ class AttentionCall:
     def set_weights(self, weights: _FloatArray) -> None:
         """Dense (pairs, L, S) C-contiguous zeros, filled with the attention weights."""
 
-    def run(self, num_threads: int, split_keys: int = ...) -> None:
-        """Run every work item on up to ``num_threads`` threads (``split_keys``: decode schedule)."""
+    def run(self, num_threads: int, split_keys: int = ..., check_signals: bool = ...) -> None:
+        """Run every work item on up to ``num_threads`` threads (``split_keys``: decode
+        schedule; ``check_signals``: stop and raise on Ctrl-C)."""

@@ -9,7 +9,7 @@ work items over an OpenMP thread team with the GIL released.  Nothing here
 validates: ``manyheads._core`` has checked everything before it builds a call.
 """
 from cython.parallel cimport parallel, prange, threadid
-from libc.stdint cimport int64_t, uint64_t
+from libc.stdint cimport int64_t, uint64_t, uintptr_t
 from libc.stdlib cimport free, malloc
 
 cimport numpy as cnp
@@ -66,6 +66,35 @@ cdef extern from "mh_kernels.h" nogil:
     ctypedef void (*mh_merge_fn)(const mh_attn_args *args, int64_t pair,
                                  void *scratch) noexcept nogil
 
+    ctypedef void (*mh_sgemm_fn)(const char *transa, const char *transb, const int *m,
+                                 const int *n, const int *k, const float *alpha, const float *a,
+                                 const int *lda, const float *b, const int *ldb,
+                                 const float *beta, float *c, const int *ldc) noexcept nogil
+    ctypedef void (*mh_dgemm_fn)(const char *transa, const char *transb, const int *m,
+                                 const int *n, const int *k, const double *alpha,
+                                 const double *a, const int *lda, const double *b,
+                                 const int *ldb, const double *beta, double *c,
+                                 const int *ldc) noexcept nogil
+
+    ctypedef struct mh_linear_args:
+        int64_t m, k, n
+        const void *x
+        int64_t x_row
+        const void *w
+        int64_t w_row
+        const void *bias
+        void *out
+        int64_t out_row
+        int64_t tile_m, tile_n
+        mh_sgemm_fn sgemm
+        mh_dgemm_fn dgemm
+
+    ctypedef void (*mh_linear_rows_fn)(const mh_linear_args *args, int64_t block) noexcept nogil
+    void mh_linear_tile_f32(const mh_linear_args *args, int64_t tile)
+    void mh_linear_tile_f64(const mh_linear_args *args, int64_t tile)
+    enum:
+        MH_LINEAR_COLS
+
     ctypedef struct mh_kernel_table:
         const char *name
         mh_block_fn block_f32
@@ -74,6 +103,8 @@ cdef extern from "mh_kernels.h" nogil:
         mh_split_fn split_f64
         mh_merge_fn merge_f32
         mh_merge_fn merge_f64
+        mh_linear_rows_fn linear_rows_f32
+        mh_linear_rows_fn linear_rows_f64
         void (*exp_f32)(const float *x, float *y, int64_t n) noexcept nogil
         void (*exp_f64)(const double *x, double *y, int64_t n) noexcept nogil
 
@@ -85,17 +116,28 @@ cdef extern from "mh_kernels.h" nogil:
     int mh_isa_compiled(int isa)
     const mh_kernel_table *mh_kernels(int isa)
 
-cdef extern from "mh_openmp.h" nogil:
+cdef extern from "mh_runtime.h" nogil:
     int mh_openmp_enabled()
     int mh_omp_max_threads()
     int mh_omp_version()
+    void *mh_omp_entry_address()
+    double mh_seconds()
+    int mh_flag_get(const int *flag)
+    void mh_flag_set(int *flag)
+
+cdef extern from "Python.h":
+    int PyErr_CheckSignals()  # called with the GIL held; -1 with the exception set
 
 
 BLOCK_Q = MH_BLOCK_Q
 BLOCK_K = MH_BLOCK_K
 FEW_ROWS = MH_FEW_ROWS
+LINEAR_COLS = MH_LINEAR_COLS
+SIGNAL_CHECK_SECONDS = 0.05  # how often a long call looks for Ctrl-C
 
 cdef const mh_kernel_table *_table = mh_kernels(0)
+cdef mh_sgemm_fn _sgemm = NULL
+cdef mh_dgemm_fn _dgemm = NULL
 
 
 cdef int _isa_index(str name) except -1:
@@ -157,6 +199,158 @@ def openmp_version():
 
 def omp_max_threads():
     return mh_omp_max_threads()
+
+
+def openmp_entry_address():
+    """Address of omp_get_max_threads as this extension bound it (0 without OpenMP)."""
+    return <uintptr_t>mh_omp_entry_address()
+
+
+def set_blas(uintptr_t sgemm, uintptr_t dgemm):
+    """Use these Fortran-style sgemm/dgemm (e.g. SciPy's cython_blas) for projection tiles."""
+    global _sgemm, _dgemm
+    _sgemm = <mh_sgemm_fn>sgemm
+    _dgemm = <mh_dgemm_fn>dgemm
+
+
+def has_blas():
+    return _sgemm != NULL and _dgemm != NULL
+
+
+# ---- running work items -------------------------------------------------------------------
+
+cdef struct Job:
+    const mh_attn_args *attn
+    const mh_linear_args *lin
+    mh_block_fn block
+    mh_split_fn split
+    mh_merge_fn merge
+    mh_linear_rows_fn rows
+    void (*tile)(const mh_linear_args *args, int64_t tile) noexcept nogil
+    int64_t n_blocks  # query blocks per pair
+    int64_t n_split   # key ranges per pair
+    char *scratch     # per-thread areas, `stride` bytes apart
+    size_t stride
+
+ctypedef void (*item_fn)(const Job *job, int64_t item, char *scratch) noexcept nogil
+
+
+cdef void _block_item(const Job *j, int64_t it, char *scratch) noexcept nogil:
+    # pair by pair (threads share one pair's keys and values in cache) and, within
+    # a pair, heaviest query block (the bottom of the causal triangle) first
+    cdef int64_t blk = j.n_blocks - 1 - it % j.n_blocks
+    j.block(j.attn, it // j.n_blocks, blk * MH_BLOCK_Q, scratch)
+
+
+cdef void _split_item(const Job *j, int64_t it, char *scratch) noexcept nogil:
+    j.split(j.attn, it // j.n_split, it % j.n_split, scratch)
+
+
+cdef void _merge_item(const Job *j, int64_t it, char *scratch) noexcept nogil:
+    j.merge(j.attn, it, scratch)
+
+
+cdef void _rows_item(const Job *j, int64_t it, char *scratch) noexcept nogil:
+    j.rows(j.lin, it)
+
+
+cdef void _tile_item(const Job *j, int64_t it, char *scratch) noexcept nogil:
+    j.tile(j.lin, it)
+
+
+cdef int _run_items(const Job *job, item_fn fn, int64_t n_items, int nt,
+                    bint check_signals) except -1:
+    """Items 0 .. n_items-1 on nt OpenMP threads (on the calling thread alone when
+    nt == 1), dynamic schedule.  With ``check_signals`` the calling thread looks
+    for a pending signal (Ctrl-C) every SIGNAL_CHECK_SECONDS between its items;
+    if the handler raises, every thread skips its remaining items and the
+    exception propagates."""
+    cdef int stop = 0
+    cdef int *stop_flag = &stop
+    cdef double period = SIGNAL_CHECK_SECONDS
+    cdef double next_check = mh_seconds() + period
+    cdef double *next_ptr = &next_check
+    cdef int64_t it
+    if nt <= 1:
+        with nogil:
+            for it in range(n_items):
+                fn(job, it, job.scratch)
+                if check_signals and mh_seconds() >= next_check:
+                    next_check = mh_seconds() + period
+                    with gil:
+                        if PyErr_CheckSignals() != 0:
+                            stop = 1
+                    if stop:
+                        break
+    else:
+        with nogil, parallel(num_threads=nt):
+            for it in prange(n_items, schedule="dynamic", chunksize=1):
+                if not mh_flag_get(stop_flag):
+                    fn(job, it, job.scratch + threadid() * job.stride)
+                    if check_signals and threadid() == 0 and mh_seconds() >= next_ptr[0]:
+                        next_ptr[0] = mh_seconds() + period
+                        with gil:
+                            if PyErr_CheckSignals() != 0:
+                                mh_flag_set(stop_flag)
+    if stop:
+        return -1  # the signal handler's exception is set
+    return 0
+
+
+cdef inline int _clamp_threads(int nt, int64_t n_items):
+    if nt > n_items:
+        nt = <int>n_items
+    return nt if nt > 1 else 1
+
+
+def linear(x, w, bias, out, int num_threads, bint check_signals=False):
+    """out (m, n) = x (m, k) @ w (k, n) (+ bias (n,)), all of one float dtype.
+
+    x, w and out have contiguous rows (row strides are read from the arrays);
+    more than FEW_ROWS rows need the BLAS set by :func:`set_blas`.
+    """
+    cdef mh_linear_args a
+    cdef Job job
+    cdef cnp.ndarray xa = x, wa = w, oa = out
+    cdef bint f64 = oa.dtype.itemsize == 8
+    cdef int64_t n_items, m_tiles, n_tiles, target = 64
+    a.m = xa.shape[0]
+    a.k = xa.shape[1]
+    a.n = wa.shape[1]
+    a.x = _data(xa)
+    a.x_row = xa.strides[0] // xa.itemsize
+    a.w = _data(wa)
+    a.w_row = wa.strides[0] // wa.itemsize
+    a.bias = _data(bias) if bias is not None else NULL
+    a.out = _data(oa)
+    a.out_row = oa.strides[0] // oa.itemsize
+    a.sgemm = _sgemm
+    a.dgemm = _dgemm
+    job.lin = &a
+    job.scratch = NULL
+    job.stride = 0
+    if a.m == 0 or a.n == 0:
+        return
+    if a.m <= MH_FEW_ROWS:
+        job.rows = _table.linear_rows_f64 if f64 else _table.linear_rows_f32
+        n_items = (a.n + MH_LINEAR_COLS - 1) // MH_LINEAR_COLS
+        _run_items(&job, _rows_item, n_items, _clamp_threads(num_threads, n_items),
+                   check_signals)
+        return
+    if not has_blas():
+        raise RuntimeError("no BLAS set for projections of more than FEW_ROWS rows")
+    # tiles from the shape alone (never the thread count): rows in tiles of up to
+    # 256, columns split until there are about `target` tiles, in multiples of 64
+    a.tile_m = a.m if a.m < 256 else 256
+    m_tiles = (a.m + a.tile_m - 1) // a.tile_m
+    n_tiles = 1
+    if m_tiles < target:
+        n_tiles = min((target + m_tiles - 1) // m_tiles, (a.n + 255) // 256)
+    a.tile_n = ((a.n + n_tiles - 1) // n_tiles + 63) // 64 * 64
+    n_tiles = (a.n + a.tile_n - 1) // a.tile_n
+    job.tile = mh_linear_tile_f64 if f64 else mh_linear_tile_f32
+    n_items = m_tiles * n_tiles
+    _run_items(&job, _tile_item, n_items, _clamp_threads(num_threads, n_items), check_signals)
 
 
 def batch_offsets(cnp.ndarray view, int n_batch):
@@ -256,66 +450,54 @@ cdef class AttentionCall:
         self._keep.append(weights)
         self.a.weights = _data(weights)
 
-    def run(self, int num_threads, int64_t split_keys=0):
+    def run(self, int num_threads, int64_t split_keys=0, bint check_signals=False):
         """Run every work item on up to ``num_threads`` OpenMP threads, GIL released.
 
         ``split_keys > 0`` selects the split-key schedule (q_len <= BLOCK_Q):
         keys cut into ranges of that many, attended in parallel, merged in a
-        fixed order.
+        fixed order.  With ``check_signals`` (the main thread's calls) a
+        pending Ctrl-C stops the work within about SIGNAL_CHECK_SECONDS plus
+        one work item and raises.
         """
-        cdef int64_t n_pairs = self.a.n_pairs, q_len = self.a.q_len
-        cdef int64_t n_blocks = (q_len + MH_BLOCK_Q - 1) // MH_BLOCK_Q
-        cdef int64_t n_items, n_split = 0, it, pair, blk
-        cdef size_t elem = 8 if self.is_f64 else 4, stride
-        cdef mh_block_fn block_fn = _table.block_f64 if self.is_f64 else _table.block_f32
-        cdef mh_split_fn split_fn = _table.split_f64 if self.is_f64 else _table.split_f32
-        cdef mh_merge_fn merge_fn = _table.merge_f64 if self.is_f64 else _table.merge_f32
-        cdef int nt = num_threads
+        cdef int64_t n_pairs = self.a.n_pairs, q_len = self.a.q_len, n_items
+        cdef size_t elem = 8 if self.is_f64 else 4
+        cdef int nt
         cdef void *raw
-        cdef char *scratch
-        cdef mh_attn_args *a = &self.a
+        cdef Job job
+        job.attn = &self.a
+        job.n_blocks = (q_len + MH_BLOCK_Q - 1) // MH_BLOCK_Q
+        job.block = _table.block_f64 if self.is_f64 else _table.block_f32
+        job.split = _table.split_f64 if self.is_f64 else _table.split_f32
+        job.merge = _table.merge_f64 if self.is_f64 else _table.merge_f32
 
         if n_pairs == 0 or q_len == 0:
             return
         if split_keys > 0:
-            n_split = (self.a.kv_len + split_keys - 1) // split_keys
+            job.n_split = (self.a.kv_len + split_keys - 1) // split_keys
             dt = np.float64 if self.is_f64 else np.float32
-            parts = np.empty(n_pairs * n_split * q_len * (self.a.v_dim + 2), dtype=dt)
+            n_items = n_pairs * job.n_split
+            parts = np.empty(n_items * q_len * (self.a.v_dim + 2), dtype=dt)
             self._keep.append(parts)
-            self.a.split.n_split = n_split
+            self.a.split.n_split = job.n_split
             self.a.split.split_keys = split_keys
             self.a.split.acc = _data(parts)
-            self.a.split.row_max = <char *>_data(parts) + elem * n_pairs * n_split * q_len * self.a.v_dim
-            self.a.split.row_sum = <char *>self.a.split.row_max + elem * n_pairs * n_split * q_len
-            n_items = n_pairs * n_split
+            self.a.split.row_max = <char *>_data(parts) + elem * n_items * q_len * self.a.v_dim
+            self.a.split.row_sum = <char *>self.a.split.row_max + elem * n_items * q_len
         else:
-            n_items = n_pairs * n_blocks
-        if nt > n_items:
-            nt = <int>n_items
-        if nt < 1:
-            nt = 1
-        stride = mh_scratch_stride(self.a.head_dim, self.a.v_dim, elem)
-        raw = malloc(stride * nt + MH_SCRATCH_ALIGN)
+            n_items = n_pairs * job.n_blocks
+        nt = _clamp_threads(num_threads, n_items)
+        job.stride = mh_scratch_stride(self.a.head_dim, self.a.v_dim, elem)
+        raw = malloc(job.stride * nt + MH_SCRATCH_ALIGN)
         if raw == NULL:
             raise MemoryError("cannot allocate the kernels' scratch")
-        scratch = <char *>mh_scratch_align(raw)
+        job.scratch = <char *>mh_scratch_align(raw)
         try:
             if split_keys > 0:
                 # every (pair, key range) on its own, then each pair's ranges merged in order
-                with nogil, parallel(num_threads=nt):
-                    for it in prange(n_items, schedule="dynamic", chunksize=1):
-                        split_fn(a, it // n_split, it % n_split, scratch + threadid() * stride)
-                with nogil, parallel(num_threads=nt if nt < n_pairs else <int>n_pairs):
-                    for it in prange(n_pairs, schedule="static"):
-                        merge_fn(a, it, scratch + threadid() * stride)
-                return
-            # Items go out one at a time, pair by pair (so the threads share one pair's
-            # keys and values in cache) and, within a pair, heaviest query block (the
-            # bottom of the causal triangle) first, so no thread idles at the end.
-            with nogil, parallel(num_threads=nt):
-                for it in prange(n_items, schedule="dynamic", chunksize=1):
-                    pair = it // n_blocks
-                    blk = n_blocks - 1 - it % n_blocks
-                    block_fn(a, pair, blk * MH_BLOCK_Q, scratch + threadid() * stride)
+                _run_items(&job, _split_item, n_items, nt, check_signals)
+                _run_items(&job, _merge_item, n_pairs, _clamp_threads(nt, n_pairs),
+                           check_signals)
+            else:
+                _run_items(&job, _block_item, n_items, nt, check_signals)
         finally:
             free(raw)

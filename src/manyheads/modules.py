@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from . import _blas, _config, _core, interop
+from . import _config, _core, interop
 from ._validate import (FLOAT_DTYPES, FLOAT_DTYPES_TEXT, check_bool, check_dropout,
                         check_float_dtype, check_int, check_optional_int, check_optional_real,
                         rng_from_seed, seed_value)
@@ -262,21 +262,18 @@ class CausalAttention(_AttentionModule):
     def _cache_geometry(self) -> tuple[int, int]:
         return 1, self.d_out
 
-    def _project(self, x: np.ndarray, W: np.ndarray, b: np.ndarray | None, nt: int,
-                 chunked: bool) -> np.ndarray:
-        y = _blas.matmul(x, W.astype(self.dtype, copy=False), nt, chunked)
-        if b is not None:
-            y += b.astype(self.dtype, copy=False)
-        return y
+    def _project(self, x: np.ndarray, W: np.ndarray, b: np.ndarray | None, nt: int
+                 ) -> np.ndarray:
+        return _core.linear(x, W.astype(self.dtype, copy=False),
+                            None if b is None else b.astype(self.dtype, copy=False), nt)
 
     def _head_forward(self, xb: np.ndarray, pad: np.ndarray | None, step: CacheStep | None,
                       heads: slice, training: bool, return_weights: bool, nt: int) -> Any:
         """(B, 1, T, d_out) context (and (B, 1, T, S) weights) of this head."""
         p, seed = self._dropout_for_call(training)
-        with _blas.single_threaded_blas(xb.shape[0] * xb.shape[1]) as chunked:
-            q = self._project(xb, self.W_query, self.b_query, nt, chunked)[:, None]
-            k = self._project(xb, self.W_key, self.b_key, nt, chunked)[:, None]
-            v = self._project(xb, self.W_value, self.b_value, nt, chunked)[:, None]
+        q = self._project(xb, self.W_query, self.b_query, nt)[:, None]
+        k = self._project(xb, self.W_key, self.b_key, nt)[:, None]
+        v = self._project(xb, self.W_value, self.b_value, nt)[:, None]
         return self._attend(q, k, v, pad, step, heads=heads, p=p, seed=seed,
                             return_weights=return_weights, nt=nt)
 
@@ -345,11 +342,7 @@ class StackedMultiHeadAttention(_AttentionModule):
         else:
             Z = np.concatenate([r[:, 0] for r in results], axis=-1)
         if self.W_out is not None:
-            B, T, _ = xb.shape
-            with _blas.single_threaded_blas(B * T) as chunked:
-                Z = _blas.matmul(Z, self.W_out, nt, chunked)
-            if self.b_out is not None:
-                Z += self.b_out
+            Z = _core.linear(Z, self.W_out, self.b_out, nt)
         return Z, w
 
     # -- weights in and out ----------------------------------------------------------------
@@ -524,21 +517,16 @@ class MultiHeadAttention(_AttentionModule):
         B, T, _ = xb.shape
         H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
         p, seed = self._dropout_for_call(training)
-        with _blas.single_threaded_blas(B * T) as chunked:
-            # one GEMM projects every head: (B, T, d_out + 2 kv_dim)
-            qkv = _blas.matmul(xb, self.W_qkv, nt, chunked)
-            if self.b_qkv is not None:
-                qkv += self.b_qkv
-            # strided (B, heads, T, D) views of the packed projection: no copies
-            q = qkv[..., self._cols(0)].reshape(B, T, H, D).transpose(0, 2, 1, 3)
-            k = qkv[..., self._cols(1)].reshape(B, T, Hkv, D).transpose(0, 2, 1, 3)
-            v = qkv[..., self._cols(2)].reshape(B, T, Hkv, D).transpose(0, 2, 1, 3)
-            merged = np.empty((B, T, H * D), dtype=self.dtype)  # the kernel writes heads merged
-            res = self._attend(q, k, v, pad, step, p=p, seed=seed,
-                               return_weights=return_weights, nt=nt,
-                               out=merged.reshape(B, T, H, D).transpose(0, 2, 1, 3))
-            y = _blas.matmul(merged, self.W_out, nt, chunked)
-        y += self.b_out
+        # one GEMM projects every head: (B, T, d_out + 2 kv_dim)
+        qkv = _core.linear(xb, self.W_qkv, self.b_qkv, nt)
+        # strided (B, heads, T, D) views of the packed projection: no copies
+        q = qkv[..., self._cols(0)].reshape(B, T, H, D).transpose(0, 2, 1, 3)
+        k = qkv[..., self._cols(1)].reshape(B, T, Hkv, D).transpose(0, 2, 1, 3)
+        v = qkv[..., self._cols(2)].reshape(B, T, Hkv, D).transpose(0, 2, 1, 3)
+        merged = np.empty((B, T, H * D), dtype=self.dtype)  # the kernel writes heads merged
+        res = self._attend(q, k, v, pad, step, p=p, seed=seed, return_weights=return_weights,
+                           nt=nt, out=merged.reshape(B, T, H, D).transpose(0, 2, 1, 3))
+        y = _core.linear(merged, self.W_out, self.b_out, nt)
         return y, (res[1] if return_weights else None)
 
     # -- weights in and out ----------------------------------------------------------------

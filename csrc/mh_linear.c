@@ -1,0 +1,30 @@
+/*
+ * The more-rows path of the dense projection: one tile of the output through
+ * a BLAS gemm (single-threaded; the caller's OpenMP threads run the tiles).
+ * Compiled without ISA flags: it only moves the bias and calls the BLAS.
+ *
+ * Row-major out = x @ w is, read column-major, out^T = w^T x^T, so the call is
+ * gemm("N", "N", tile_n, tile_m, k, 1, w + n0, w_row, x + m0 * x_row, x_row,
+ *      beta, out + m0 * out_row + n0, out_row) with beta = 1 after the tile
+ * was filled with the bias (0 without one).
+ */
+#include "mh_kernels.h"
+
+#define MH_TILE_BODY(T, GEMM)                                                            \
+    const int64_t n_tiles = (a->n + a->tile_n - 1) / a->tile_n;                           \
+    const int64_t m0 = (tile / n_tiles) * a->tile_m, n0 = (tile % n_tiles) * a->tile_n;   \
+    const int rows = (int)(a->m - m0 < a->tile_m ? a->m - m0 : a->tile_m);                \
+    const int cols = (int)(a->n - n0 < a->tile_n ? a->n - n0 : a->tile_n);                \
+    const int k = (int)a->k, lw = (int)a->w_row, lx = (int)a->x_row, lo = (int)a->out_row; \
+    const T one = 1, zero = 0;                                                             \
+    const T *bias = (const T *)a->bias;                                                    \
+    T *out = (T *)a->out + m0 * a->out_row + n0;                                           \
+    if (bias)                                                                              \
+        for (int r = 0; r < rows; ++r)                                                     \
+            for (int c = 0; c < cols; ++c) out[r * a->out_row + c] = bias[n0 + c];         \
+    a->GEMM("N", "N", &cols, &rows, &k, &one, (const T *)a->w + n0, &lw,                    \
+            (const T *)a->x + m0 * a->x_row, &lx, bias ? &one : &zero, out, &lo);
+
+void mh_linear_tile_f32(const mh_linear_args *a, int64_t tile) { MH_TILE_BODY(float, sgemm) }
+
+void mh_linear_tile_f64(const mh_linear_args *a, int64_t tile) { MH_TILE_BODY(double, dgemm) }
