@@ -10,6 +10,7 @@ Two ways to build multi-head attention, checked against one NumPy oracle:
 :func:`scaled_dot_product_attention` is the functional core with PyTorch's
 semantics.  :mod:`manyheads.oracle` is the readable reference.
 """
+#: The version of this manyheads release, e.g. "0.1.0".
 __version__ = "0.1.0"
 
 import os as _os

@@ -291,6 +291,11 @@ def classify_heads(roles: dict[str, np.ndarray],
     -------
     list of str
         One name per head.
+
+    Raises
+    ------
+    ValueError
+        If ``threshold`` is not in (0, 1].
     """
     if not 0 < threshold <= 1:
         raise ValueError(f"threshold must be in (0, 1], got {threshold!r}")
