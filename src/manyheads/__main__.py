@@ -176,6 +176,11 @@ def cmd_demo(args: argparse.Namespace) -> int:
 def cmd_show(args: argparse.Namespace) -> int:
     from manyheads.plot import format_roles, head_roles, plot_attention
 
+    if len(args.text.encode("utf-8")) < 2:
+        print(f"show needs a text of at least two byte tokens (got {args.text!r}): attention "
+              "patterns and head roles are about how a token looks back at earlier ones",
+              file=sys.stderr)
+        return 2
     if args.weights:
         layer = mh.MultiHeadAttention.load(args.weights)
         source = f"module {args.weights}"
@@ -191,13 +196,13 @@ def cmd_show(args: argparse.Namespace) -> int:
     print(f"{source}; {len(tokens)} byte tokens")
     print(format_roles(head_roles(w, tokens)))
     try:
-        fig = plot_attention(w, tokens, title=f"{len(tokens)} tokens, {w.shape[0]} heads: "
-                                              "brightness = weight, blank = masked future")
+        fig = plot_attention(w, tokens, scale=args.scale,
+                             title=f"{len(tokens)} tokens, {w.shape[0]} heads")
     except ImportError as exc:
         print(f"{exc}", file=sys.stderr)
         return 2
     fig.savefig(args.out, dpi=args.dpi)
-    print(f"wrote {args.out}")
+    print(f"wrote {args.out} (colour scale: {args.scale})")
     return 0
 
 
@@ -238,6 +243,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     sh.add_argument("--out", default="patterns.png", help="PNG file to write")
     sh.add_argument("--weights", help="a module saved with MultiHeadAttention.save")
     sh.add_argument("--dpi", type=int, default=110)
+    sh.add_argument("--scale", choices=("row", "power", "log", "linear"), default="row",
+                    help="colour scale: each row divided by its largest weight (default), "
+                         "a power (gamma 0.5) or log scale of the weights, or linear")
     args = parser.parse_args(argv)
     handlers = {None: cmd_demo, "demo": cmd_demo, "info": cmd_info, "bench": cmd_bench,
                 "show": cmd_show}

@@ -2,7 +2,8 @@
 
 Written to be read, step by step as attention is taught, not to be fast:
 it materialises every score matrix.  Use it for checking and for learning;
-use :mod:`manyheads.functional` or the modules for work.
+use :func:`manyheads.scaled_dot_product_attention` or the modules
+(:class:`manyheads.MultiHeadAttention` and its kin) for work.
 
 All functions compute in the dtype they are given (pass float64 arrays, or
 ``dtype=np.float64``, for a high-precision reference).
@@ -26,7 +27,16 @@ __all__ = [
 def softmax(scores: np.ndarray) -> np.ndarray:
     """Row-wise softmax over the last axis, max-subtracted.
 
-    A row whose entries are all -inf (every key masked) becomes all zeros.
+    Parameters
+    ----------
+    scores : ndarray, shape (..., S)
+        One row of scores per query.
+
+    Returns
+    -------
+    ndarray, shape (..., S)
+        Weights that sum to 1 along the last axis.  A row whose entries are
+        all -inf (every key masked) becomes all zeros, not NaN.
     """
     if scores.shape[-1] == 0:  # no keys at all: nothing to weigh
         return np.zeros_like(scores)
@@ -40,7 +50,20 @@ def softmax(scores: np.ndarray) -> np.ndarray:
 
 
 def causal_mask(num_queries: int, num_keys: int, offset: int = 0) -> np.ndarray:
-    """Boolean (L, S) matrix, True where query i must NOT see key j (j > i + offset)."""
+    """Which keys each query must not see.
+
+    Parameters
+    ----------
+    num_queries, num_keys : int
+        L and S.
+    offset : int, default 0
+        Shifts the triangle: query i may see keys 0 .. i + offset.
+
+    Returns
+    -------
+    ndarray of bool, shape (L, S)
+        True where query i must NOT see key j (j > i + offset).
+    """
     i = np.arange(num_queries)[:, None]
     j = np.arange(num_keys)[None, :]
     return j > i + offset
@@ -60,8 +83,25 @@ def causal_attention_head(
 ) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
     """One head of causal self-attention, the way the course spells it out.
 
-    x: (T, d_in) or (B, T, d_in); W_*: (d_in, d_head).  Returns the context
-    vectors Z_h: (..., T, d_head) (and the weights (..., T, T)).
+    Parameters
+    ----------
+    x : ndarray, shape (T, d_in) or (B, T, d_in)
+        The input tokens.
+    W_query, W_key, W_value : ndarray, shape (d_in, d_head)
+        The head's projections (``x @ W``).
+    b_query, b_key, b_value : ndarray, shape (d_head,), optional
+        Their biases.
+    dtype : numpy dtype, optional, keyword-only
+        Compute in this dtype (e.g. ``np.float64`` for a reference).
+    return_weights : bool, default False, keyword-only
+        Also return the attention weights.
+
+    Returns
+    -------
+    context : ndarray, shape (..., T, d_head)
+        The context vectors Z_h.
+    weights : ndarray, shape (..., T, T)
+        Only with ``return_weights=True``.
     """
     if dtype is not None:
         x = x.astype(dtype)
@@ -104,10 +144,28 @@ def stacked_multi_head_attention(
 ) -> np.ndarray:
     """Multi-head attention as a stack of independent heads.
 
-    ``heads`` holds one tuple (W_query, W_key, W_value[, b_query, b_key,
-    b_value]) per head.  Each head computes its own Z_h; the Z_h are
-    concatenated along the feature axis into one matrix Z, which goes through
-    the output projection when ``W_out`` is given.
+    Each head computes its own Z_h with :func:`causal_attention_head`; the
+    Z_h are concatenated along the feature axis into one matrix Z, which goes
+    through the output projection when ``W_out`` is given.
+
+    Parameters
+    ----------
+    x : ndarray, shape (T, d_in) or (B, T, d_in)
+        The input tokens.
+    heads : sequence of tuples
+        One tuple (W_query, W_key, W_value[, b_query, b_key, b_value]) per
+        head, each W of shape (d_in, d_head).
+    W_out : ndarray, shape (num_heads * d_head, d_out), optional
+        The output projection.
+    b_out : ndarray, shape (d_out,), optional
+        Its bias.
+    dtype : numpy dtype, optional, keyword-only
+        Compute in this dtype.
+
+    Returns
+    -------
+    ndarray, shape (..., T, d_out) or (..., T, num_heads * d_head)
+        Z after the output projection, or Z itself without ``W_out``.
     """
     contexts = [causal_attention_head(x, *h, dtype=dtype) for h in heads]
     Z = np.concatenate(contexts, axis=-1)  # (..., T, num_heads * d_head)
@@ -123,8 +181,21 @@ def dropout_keep_mask(
 ) -> np.ndarray:
     """The keep/drop pattern of the kernels' dropout stream for weights of ``shape``.
 
-    ``shape`` is (..., L, S); element (pair, i, j) is kept iff the top 24 bits
-    of a counter-based hash of (seed, pair, i, j) are at least p * 2^24.
+    Parameters
+    ----------
+    seed : int
+        The dropout stream's seed.
+    shape : tuple of int
+        (..., L, S), the shape of the attention weights; the leading axes are
+        counted as one (batch, head) pair index.
+    p : float
+        Dropout probability.
+
+    Returns
+    -------
+    ndarray of bool, shape ``shape``
+        Element (pair, i, j) is kept (True) iff the top 24 bits of a
+        counter-based hash of (seed, pair, i, j) are at least p * 2^24.
     """
     *batch, L, S = shape
     n_pairs = int(np.prod(batch, dtype=np.int64))
@@ -156,9 +227,28 @@ def scaled_dot_product_attention(
 ) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
     """Reference for :func:`manyheads.scaled_dot_product_attention` (same semantics).
 
-    ``causal_offset`` shifts the causal triangle (query i sees keys
-    j <= i + offset); ``window=W`` also hides keys j <= i + offset - W;
-    ``seed`` selects the same dropout pattern as the kernels.
+    Parameters
+    ----------
+    query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa
+        As in :func:`manyheads.scaled_dot_product_attention`.
+    causal_offset : int, default 0, keyword-only
+        Shifts the causal triangle: query i sees keys j <= i + offset.
+    window : int, optional, keyword-only
+        A sliding window of W keys: also hides keys j <= i + offset - W.
+    seed : int, default 0, keyword-only
+        Selects the same dropout pattern as the kernels (see
+        :func:`dropout_keep_mask`).
+    return_weights : bool, default False, keyword-only
+        Also return the attention weights.
+    dtype : numpy dtype, optional, keyword-only
+        Compute in this dtype.
+
+    Returns
+    -------
+    out : ndarray, shape (..., Hq, L, Ev)
+        The attention output.
+    weights : ndarray, shape (..., Hq, L, S)
+        Only with ``return_weights=True``.
     """
     if dtype is not None:
         query, key, value = (a.astype(dtype) for a in (query, key, value))
