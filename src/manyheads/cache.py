@@ -128,7 +128,7 @@ class KVCache:
              ) -> Iterator[CacheStep]:
         """Hold the cache for one decoding step that appends ``new_tokens`` tokens.
 
-        Inside, :meth:`CacheStep.attend` appends keys and values (per group of
+        Inside, :meth:`~manyheads.cache.CacheStep.attend` appends keys and values (per group of
         kv heads) and attends over everything cached; when the block ends
         without an exception the cache's length advances by ``new_tokens``.
         A second caller while a step is open gets RuntimeError.
@@ -146,7 +146,7 @@ class KVCache:
 
 
 class CacheStep:
-    """One open step of a :class:`KVCache` (see :meth:`KVCache.step`)."""
+    """One open step of a :class:`~manyheads.KVCache` (see :meth:`manyheads.KVCache.step`)."""
 
     def __init__(self, cache: KVCache, new_tokens: int, pad_new: np.ndarray | None) -> None:
         self.cache = cache

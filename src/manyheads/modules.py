@@ -108,7 +108,7 @@ class _AttentionModule:
         ----------
         x : array, shape (B, T, d_in) or (T, d_in)
         cache : KVCache, optional
-            From :meth:`new_cache`: x's keys and values are appended and its
+            From ``new_cache()``: x's keys and values are appended and its
             queries attend over everything cached (query at absolute position p
             sees keys 0..p).
         key_padding_mask : bool array (B, T), optional
