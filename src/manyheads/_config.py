@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import os
 import sys
-import threading
 from typing import TypedDict
 
 from . import _blas, _kernels
@@ -109,17 +108,10 @@ def resolve_num_threads(n: object) -> int:
     return min(n, max_threads()) if _kernels.openmp_enabled() and not _state["forked"] else 1
 
 
-_active = {"calls": 0}
-_active_lock = threading.Lock()
-
-
 def _after_fork_in_child() -> None:
     """A forked child has one thread: the parent's OpenMP (and BLAS) pool threads are
     gone, and GNU OpenMP would wait for them forever.  Run serially from now on."""
-    global _active_lock
     _state["forked"] = True
-    _active_lock = threading.Lock()
-    _active["calls"] = 0
     _blas.reset_after_fork()
 
 
@@ -137,28 +129,8 @@ def openmp_library() -> str | None:
     return library_of(_kernels.openmp_entry_address())
 
 
-def threads_for_call(requested: int, active_calls: int) -> int:
-    """Threads one of ``active_calls`` simultaneous kernel calls gets from a budget of ``requested``."""
-    return max(1, requested // max(1, active_calls))
-
-
-class kernel_call:
-    """Context manager around one kernel call: counts concurrent calls from Python threads
-    so that together they use about ``requested`` threads instead of that many each."""
-
-    def __init__(self, requested: int) -> None:
-        self.requested = requested
-        self.threads = requested
-
-    def __enter__(self) -> "kernel_call":
-        with _active_lock:
-            _active["calls"] += 1
-            self.threads = threads_for_call(self.requested, _active["calls"])
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        with _active_lock:
-            _active["calls"] -= 1
+# the rule that shares the thread budget among concurrent calls lives with the schedule
+threads_for_call = _kernels.threads_for_call
 
 
 def config() -> dict[str, object]:

@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from . import _blas, _config, _kernels
+from . import _blas, _kernels
 
 __all__ = ["attention", "linear", "kernel_ready", "SPLIT_KEYS"]
 
@@ -57,10 +57,6 @@ def _broadcast(arr: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
     return arr if arr.shape == shape else np.broadcast_to(arr, shape)
 
 
-def _row_stride(view: np.ndarray, axis: int = -2) -> int:
-    return int(view.strides[axis] // view.itemsize)
-
-
 def _pair_views(q: np.ndarray, k: np.ndarray, v: np.ndarray, enable_gqa: bool
                 ) -> tuple[tuple[int, ...], np.ndarray, np.ndarray, np.ndarray, int]:
     """Batch shape (.., Hq) and views of q, k, v with one (L|S, E) matrix per pair.
@@ -80,7 +76,10 @@ def _pair_views(q: np.ndarray, k: np.ndarray, v: np.ndarray, enable_gqa: bool
         kv = np.broadcast_to(k[..., :, None, :, :], kv_shape + (S, E))
         vv = np.broadcast_to(v[..., :, None, :, :], kv_shape + (S, Ev))
         return batch, _broadcast(q, batch + (L, E)), kv, vv, len(kv_shape)
-    batch = broadcast_shapes("query, key and value", q.shape[:-2], k.shape[:-2], v.shape[:-2])
+    batch = q.shape[:-2]
+    if batch == k.shape[:-2] == v.shape[:-2]:  # the common case: nothing to broadcast
+        return batch, q, k, v, len(batch)
+    batch = broadcast_shapes("query, key and value", batch, k.shape[:-2], v.shape[:-2])
     return (batch, _broadcast(q, batch + (L, E)), _broadcast(k, batch + (S, E)),
             _broadcast(v, batch + (S, Ev)), len(batch))
 
@@ -138,14 +137,12 @@ def attention(
     if n_pairs and L and (S == 0 or Ev == 0):
         out[...] = 0
     if n_pairs and L and S and Ev:
-        offsets = _kernels.batch_offsets
         call = _kernels.AttentionCall(q.dtype == np.float64, n_pairs, L, S, E, Ev)
-        call.set_query(qv, offsets(qv, nb), _row_stride(qv))
-        call.set_keys_values(kv, offsets(kv, n_kv_batch), _row_stride(kv),
-                             vv, offsets(vv, n_kv_batch), _row_stride(vv), kv_half)
-        call.set_output(out, offsets(out, nb), _row_stride(out))
+        call.set_query(qv, nb)
+        call.set_keys_values(kv, vv, n_kv_batch, kv_half)
+        call.set_output(out, nb)
         if mv is not None:
-            call.set_mask(mv, offsets(mv, nb), _row_stride(mv), _row_stride(mv, -1))
+            call.set_mask(mv, nb)
         if causal_offset is not None:
             call.set_causal(int(causal_offset), 0 if window is None else int(window))
         call.set_scale(float(scale))
@@ -156,14 +153,16 @@ def attention(
         if split is None:
             split = L <= _kernels.FEW_ROWS and S >= 2 * SPLIT_KEYS
         split = bool(split) and weights is None and dropout_p == 0 and L <= _kernels.BLOCK_Q
-        with _config.kernel_call(int(num_threads)) as share:
-            call.run(share.threads, SPLIT_KEYS if split else 0, _on_main_thread())
+        call.run(int(num_threads), SPLIT_KEYS if split else 0, _on_main_thread())
     return (out, weights) if return_weights else out
+
+
+_MAIN_THREAD_ID = threading.main_thread().ident
 
 
 def _on_main_thread() -> bool:
     """Only the main thread receives signals: its long calls look for Ctrl-C."""
-    return threading.current_thread() is threading.main_thread()
+    return threading.get_ident() == _MAIN_THREAD_ID
 
 
 def _rows_ready(a: np.ndarray) -> np.ndarray:
@@ -190,9 +189,8 @@ def linear(x: np.ndarray, w: np.ndarray, bias: np.ndarray | None, num_threads: i
     b = None if bias is None else np.ascontiguousarray(bias)
     few = x2.shape[0] <= _kernels.FEW_ROWS
     if few or _blas.available():
-        with _config.kernel_call(int(num_threads)) as share, \
-                (nullcontext() if few else _blas.single_threaded()):
-            _kernels.linear(x2, w2, b, out, share.threads, _on_main_thread())
+        with nullcontext() if few else _blas.single_threaded():
+            _kernels.linear(x2, w2, b, out, int(num_threads), _on_main_thread())
     else:
         np.matmul(x2, w2, out=out)
         if b is not None:

@@ -6,7 +6,6 @@ import numpy.typing as npt
 
 _Float = TypeVar("_Float", np.float32, np.float64)
 _FloatArray = npt.NDArray[np.float32] | npt.NDArray[np.float64]
-_Offsets = npt.NDArray[np.int64]
 
 BLOCK_Q: int
 BLOCK_K: int
@@ -43,31 +42,33 @@ def set_blas(sgemm: int, dgemm: int) -> None:
     """Use these Fortran-style sgemm/dgemm (e.g. SciPy's cython_blas) for projection tiles."""
 
 def has_blas() -> bool: ...
+def threads_for_call(requested: int, active_calls: int) -> int:
+    """Threads one of ``active_calls`` simultaneous calls gets from a budget of ``requested``."""
+
 def linear(x: _FloatArray, w: _FloatArray, bias: _FloatArray | None, out: _FloatArray,
            num_threads: int, check_signals: bool = ...) -> None:
     """out (m, n) = x (m, k) @ w (k, n) (+ bias), rows contiguous, one float dtype."""
-def batch_offsets(view: npt.NDArray[Any], n_batch: int) -> _Offsets:
-    """Element offsets of every index over the first ``n_batch`` axes (C order), as int64."""
-
 class AttentionCall:
     """The arguments of one attention call, kept as the C struct the kernels read.
 
-    Every operand is (pairs, rows, cols) addressed through a per-pair offset
-    table and a row stride, in elements; queries, output, weights and a float
-    mask have the call's float type (float64 if ``float64`` else float32).
+    Every operand is a view whose leading axes enumerate the (batch, head)
+    pairs and whose last two axes are (rows, cols); queries, output, weights
+    and a float mask have the call's float type (float64 if ``float64`` else
+    float32).
     """
 
     def __init__(self, float64: bool, n_pairs: int, q_len: int, kv_len: int, head_dim: int,
                  v_dim: int) -> None: ...
-    def set_query(self, q: _FloatArray, offsets: _Offsets, row: int) -> None: ...
-    def set_keys_values(self, k: npt.NDArray[Any], k_offsets: _Offsets, k_row: int,
-                        v: npt.NDArray[Any], v_offsets: _Offsets, v_row: int,
+    def set_query(self, q: _FloatArray, n_batch: int) -> None:
+        """Queries (.., L, E); the first ``n_batch`` axes enumerate the pairs."""
+
+    def set_keys_values(self, k: npt.NDArray[Any], v: npt.NDArray[Any], n_batch: int,
                         float16: bool = ...) -> None:
         """Keys and values in the call's float type, or float16 bits as uint16 when ``float16``."""
 
-    def set_output(self, out: _FloatArray, offsets: _Offsets, row: int) -> None: ...
-    def set_mask(self, mask: npt.NDArray[Any], offsets: _Offsets, row: int, col: int) -> None:
-        """A bool (True = may attend) or additive float mask (pairs, L, S); strides may be 0."""
+    def set_output(self, out: _FloatArray, n_batch: int) -> None: ...
+    def set_mask(self, mask: npt.NDArray[Any], n_batch: int) -> None:
+        """A bool (True = may attend) or additive float mask (.., L, S); strides may be 0."""
 
     def set_causal(self, offset: int, window: int = ...) -> None:
         """Query i sees keys j <= i + offset (and j > i + offset - window if window > 0)."""

@@ -134,6 +134,10 @@ BLOCK_K = MH_BLOCK_K
 FEW_ROWS = MH_FEW_ROWS
 LINEAR_COLS = MH_LINEAR_COLS
 SIGNAL_CHECK_SECONDS = 0.05  # how often a long call looks for Ctrl-C
+# Work (multiply-adds) below which a call runs on the calling thread alone: waking
+# the pool costs more than the split saves.
+cdef double _serial_work = 65536
+SERIAL_WORK = _serial_work
 
 cdef const mh_kernel_table *_table = mh_kernels(0)
 cdef mh_sgemm_fn _sgemm = NULL
@@ -264,42 +268,62 @@ cdef int _run_items(const Job *job, item_fn fn, int64_t n_items, int nt,
     nt == 1), dynamic schedule.  With ``check_signals`` the calling thread looks
     for a pending signal (Ctrl-C) every SIGNAL_CHECK_SECONDS between its items;
     if the handler raises, every thread skips its remaining items and the
-    exception propagates."""
+    exception propagates.  The call counts as in flight meanwhile."""
+    global _active_calls
     cdef int stop = 0
     cdef int *stop_flag = &stop
     cdef double period = SIGNAL_CHECK_SECONDS
     cdef double next_check = mh_seconds() + period
     cdef double *next_ptr = &next_check
     cdef int64_t it
-    if nt <= 1:
-        with nogil:
-            for it in range(n_items):
-                fn(job, it, job.scratch)
-                if check_signals and mh_seconds() >= next_check:
-                    next_check = mh_seconds() + period
-                    with gil:
-                        if PyErr_CheckSignals() != 0:
-                            stop = 1
-                    if stop:
-                        break
-    else:
-        with nogil, parallel(num_threads=nt):
-            for it in prange(n_items, schedule="dynamic", chunksize=1):
-                if not mh_flag_get(stop_flag):
-                    fn(job, it, job.scratch + threadid() * job.stride)
-                    if check_signals and threadid() == 0 and mh_seconds() >= next_ptr[0]:
-                        next_ptr[0] = mh_seconds() + period
+    _active_calls += 1
+    try:
+        if nt <= 1:
+            with nogil:
+                for it in range(n_items):
+                    fn(job, it, job.scratch)
+                    if check_signals and mh_seconds() >= next_check:
+                        next_check = mh_seconds() + period
                         with gil:
                             if PyErr_CheckSignals() != 0:
-                                mh_flag_set(stop_flag)
+                                stop = 1
+                        if stop:
+                            break
+        else:
+            with nogil, parallel(num_threads=nt):
+                for it in prange(n_items, schedule="dynamic", chunksize=1):
+                    if not mh_flag_get(stop_flag):
+                        fn(job, it, job.scratch + threadid() * job.stride)
+                        if check_signals and threadid() == 0 and mh_seconds() >= next_ptr[0]:
+                            next_ptr[0] = mh_seconds() + period
+                            with gil:
+                                if PyErr_CheckSignals() != 0:
+                                    mh_flag_set(stop_flag)
+    finally:
+        _active_calls -= 1
     if stop:
         return -1  # the signal handler's exception is set
     return 0
 
 
-cdef inline int _clamp_threads(int nt, int64_t n_items):
+# Kernel calls in flight from all Python threads: together they use about the
+# requested budget instead of that many threads each.  Changed only with the GIL held.
+cdef int _active_calls = 0
+
+
+cpdef int threads_for_call(int requested, int active_calls) noexcept:
+    """Threads one of ``active_calls`` simultaneous calls gets from a budget of ``requested``."""
+    cdef int n = requested // (active_calls if active_calls > 1 else 1)
+    return n if n > 1 else 1
+
+
+cdef inline int _clamp_threads(int nt, int64_t n_items, double work=1e300):
+    """Threads for n_items items of ``work`` multiply-adds in all, given the calls in flight."""
+    nt = threads_for_call(nt, _active_calls + 1)
     if nt > n_items:
         nt = <int>n_items
+    if work < _serial_work:
+        nt = 1
     return nt if nt > 1 else 1
 
 
@@ -334,8 +358,8 @@ def linear(x, w, bias, out, int num_threads, bint check_signals=False):
     if a.m <= MH_FEW_ROWS:
         job.rows = _table.linear_rows_f64 if f64 else _table.linear_rows_f32
         n_items = (a.n + MH_LINEAR_COLS - 1) // MH_LINEAR_COLS
-        _run_items(&job, _rows_item, n_items, _clamp_threads(num_threads, n_items),
-                   check_signals)
+        _run_items(&job, _rows_item, n_items,
+                   _clamp_threads(num_threads, n_items, <double>a.m * a.k * a.n), check_signals)
         return
     if not has_blas():
         raise RuntimeError("no BLAS set for projections of more than FEW_ROWS rows")
@@ -350,11 +374,12 @@ def linear(x, w, bias, out, int num_threads, bint check_signals=False):
     n_tiles = (a.n + a.tile_n - 1) // a.tile_n
     job.tile = mh_linear_tile_f64 if f64 else mh_linear_tile_f32
     n_items = m_tiles * n_tiles
-    _run_items(&job, _tile_item, n_items, _clamp_threads(num_threads, n_items), check_signals)
+    _run_items(&job, _tile_item, n_items,
+               _clamp_threads(num_threads, n_items, <double>a.m * a.k * a.n), check_signals)
 
 
-def batch_offsets(cnp.ndarray view, int n_batch):
-    """Element offsets of every index over the first ``n_batch`` axes (C order), as int64."""
+cdef void _batch_offsets(cnp.ndarray view, int n_batch, int64_t *out) noexcept:
+    """Element offsets of every index over the first ``n_batch`` axes (C order)."""
     cdef Py_ssize_t total = 1, i, rem
     cdef int d
     cdef int64_t off
@@ -363,16 +388,13 @@ def batch_offsets(cnp.ndarray view, int n_batch):
     cdef cnp.npy_intp *strides = cnp.PyArray_STRIDES(view)
     for d in range(n_batch):
         total *= shape[d]
-    out = np.empty(total, dtype=np.int64)
-    cdef int64_t[::1] o = out
     for i in range(total):
         rem = i
         off = 0
         for d in range(n_batch - 1, -1, -1):
             off += (rem % shape[d]) * (strides[d] // itemsize)
             rem //= shape[d]
-        o[i] = off
-    return out
+        out[i] = off
 
 
 cdef inline void *_data(object arr):
@@ -382,15 +404,23 @@ cdef inline void *_data(object arr):
 cdef class AttentionCall:
     """The arguments of one attention call, kept as the C struct the kernels read.
 
-    Arrays handed to the setters are referenced until the call object dies, so
-    the pointers stay valid.  Offsets and strides are in elements.
+    Every operand is given as an array view whose leading axes enumerate the
+    (batch, head) pairs (n_pairs of them in all, broadcast views welcome) and
+    whose last two axes are (rows, columns) with whole-element strides; the
+    call computes the per-pair offset tables itself.  Arrays handed to the
+    setters are referenced until the call object dies, so the pointers stay
+    valid.
     """
     cdef mh_attn_args a
     cdef bint is_f64
     cdef list _keep
+    cdef int64_t *_offsets  # 5 tables of n_pairs: q, k, v, out, mask
 
-    def __init__(self, bint float64, int64_t n_pairs, int64_t q_len, int64_t kv_len,
-                 int64_t head_dim, int64_t v_dim):
+    def __cinit__(self, bint float64, int64_t n_pairs, int64_t q_len, int64_t kv_len,
+                  int64_t head_dim, int64_t v_dim):
+        self._offsets = <int64_t *>malloc(5 * sizeof(int64_t) * (n_pairs if n_pairs > 0 else 1))
+        if self._offsets == NULL:
+            raise MemoryError("cannot allocate the offset tables")
         self.is_f64 = float64
         self._keep = []
         self.a.n_pairs = n_pairs
@@ -402,34 +432,40 @@ cdef class AttentionCall:
         self.a.kv_format = MH_KV_NATIVE
         self.a.mask_kind = MH_MASK_NONE
 
-    cdef int _operand(self, mh_operand *op, arr, offsets, int64_t row, int64_t col) except -1:
-        cdef const int64_t[::1] off = offsets
-        self._keep += [arr, offsets]
-        op.base = _data(arr)
-        op.off = &off[0] if off.shape[0] else NULL
-        op.row = row
-        op.col = col
+    def __dealloc__(self):
+        free(self._offsets)
+
+    cdef int _operand(self, mh_operand *op, int table, cnp.ndarray view, int n_batch) except -1:
+        cdef int nd = cnp.PyArray_NDIM(view)
+        cdef cnp.npy_intp *strides = cnp.PyArray_STRIDES(view)
+        cdef int64_t *off = self._offsets + table * self.a.n_pairs
+        self._keep.append(view)
+        _batch_offsets(view, n_batch, off)
+        op.base = cnp.PyArray_DATA(view)
+        op.off = off
+        op.row = strides[nd - 2] // view.itemsize
+        op.col = strides[nd - 1] // view.itemsize
         return 0
 
-    def set_query(self, q, offsets, int64_t row):
-        """Queries (pairs, L, E) in the call's float type."""
-        self._operand(&self.a.q, q, offsets, row, 1)
+    def set_query(self, cnp.ndarray q, int n_batch):
+        """Queries (.., L, E) in the call's float type."""
+        self._operand(&self.a.q, 0, q, n_batch)
 
-    def set_keys_values(self, k, k_offsets, int64_t k_row, v, v_offsets, int64_t v_row,
-                        bint float16=False):
-        """Keys (pairs, S, E) and values (pairs, S, Ev): the call's float type, or
-        float16 bits viewed as uint16 (widened by the kernels) when ``float16``."""
-        self._operand(&self.a.k, k, k_offsets, k_row, 1)
-        self._operand(&self.a.v, v, v_offsets, v_row, 1)
+    def set_keys_values(self, cnp.ndarray k, cnp.ndarray v, int n_batch, bint float16=False):
+        """Keys (.., S, E) and values (.., S, Ev): the call's float type, or float16
+        bits viewed as uint16 (widened by the kernels) when ``float16``."""
+        self._operand(&self.a.k, 1, k, n_batch)
+        self._operand(&self.a.v, 2, v, n_batch)
         self.a.kv_format = MH_KV_F16 if float16 else MH_KV_NATIVE
 
-    def set_output(self, out, offsets, int64_t row):
-        """Output (pairs, L, Ev) in the call's float type, written by the kernels."""
-        self._operand(&self.a.out, out, offsets, row, 1)
+    def set_output(self, cnp.ndarray out, int n_batch):
+        """Output (.., L, Ev) in the call's float type, written by the kernels."""
+        self._operand(&self.a.out, 3, out, n_batch)
 
-    def set_mask(self, mask, offsets, int64_t row, int64_t col):
-        """Mask (pairs, L, S): bool (True = may attend) or the call's float type (added)."""
-        self._operand(&self.a.mask, mask, offsets, row, col)
+    def set_mask(self, cnp.ndarray mask, int n_batch):
+        """Mask (.., L, S): bool (True = may attend) or the call's float type (added);
+        row and column strides may be 0 (broadcast)."""
+        self._operand(&self.a.mask, 4, mask, n_batch)
         self.a.mask_kind = MH_MASK_BOOL if mask.dtype == np.bool_ else MH_MASK_ADD
 
     def set_causal(self, int64_t offset, int64_t window=0):
@@ -485,7 +521,8 @@ cdef class AttentionCall:
             self.a.split.row_sum = <char *>self.a.split.row_max + elem * n_items * q_len
         else:
             n_items = n_pairs * job.n_blocks
-        nt = _clamp_threads(num_threads, n_items)
+        nt = _clamp_threads(num_threads, n_items, <double>n_pairs * q_len * self.a.kv_len
+                            * (self.a.head_dim + self.a.v_dim))
         job.stride = mh_scratch_stride(self.a.head_dim, self.a.v_dim, elem)
         raw = malloc(job.stride * nt + MH_SCRATCH_ALIGN)
         if raw == NULL:

@@ -20,7 +20,8 @@ FLOAT_DTYPES_TEXT = "float32 or float64"
 
 def check_int(value: Any, name: str, minimum: int | None = None) -> int:
     """``value`` as an int; TypeError unless it is an integer (bools are not), ValueError below ``minimum``."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+    if type(value) is not int and (isinstance(value, bool)
+                                   or not isinstance(value, numbers.Integral)):
         raise TypeError(f"{name} must be an int, got {type(value).__name__}")
     result = int(value)
     if minimum is not None and result < minimum:
@@ -35,7 +36,8 @@ def check_optional_int(value: Any, name: str, minimum: int | None = None) -> int
 def check_real(value: Any, name: str, *, low: float | None = None, high: float | None = None,
                finite: bool = True) -> float:
     """``value`` as a float; TypeError unless it is a real number, ValueError outside [low, high]."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+    if type(value) is not float and (isinstance(value, bool)
+                                     or not isinstance(value, numbers.Real)):
         raise TypeError(f"{name} must be a real number, got {type(value).__name__}")
     result = float(value)
     if finite and not math.isfinite(result):
