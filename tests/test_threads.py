@@ -1,4 +1,6 @@
 """Thread pools: threadpoolctl sees and limits manyheads' OpenMP; concurrent callers share cores."""
+import subprocess
+import sys
 import threading
 
 import numpy as np
@@ -29,22 +31,59 @@ def test_concurrent_callers_split_the_threads_instead_of_multiplying_them():
     assert _config.threads_for_call(2, active_calls=8) == 1
 
 
-def test_many_python_threads_calling_one_module_match_serial_calls(rng):
+@pytest.fixture
+def cpu_load():
+    """Two busy processes competing for the cores while the test runs."""
+    procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]
+    yield
+    for p in procs:
+        p.kill()
+        p.wait()
+
+
+def _decode(m, x, cache):
+    outs = [m(x[:, :20], cache=cache)]
+    outs += [m(x[:, t:t + 1], cache=cache) for t in range(20, x.shape[1])]
+    return np.concatenate(outs, axis=1)
+
+
+@pytest.mark.parametrize("kind", ["fused", "stacked"])
+def test_many_python_threads_calling_one_module_match_serial_calls(rng, cpu_load, kind):
     m = mh.MultiHeadAttention(32, 64, 256, 0.0, 4, seed=0)
+    if kind == "stacked":
+        m = m.to_stacked()
     xs = [rng.standard_normal((2, 200, 32)).astype(np.float32) for _ in range(8)]
     serial = [m(x) for x in xs]
-    results = [None] * 8
-    barrier = threading.Barrier(8)
+    serial_decode = [_decode(m, x[:, :40], m.new_cache(2, 40)) for x in xs]
+    for _ in range(15):
+        results, decoded = [None] * 8, [None] * 8
+        barrier = threading.Barrier(8)
 
-    def work(i):
-        barrier.wait()
-        for _ in range(3):
-            results[i] = m(xs[i])
+        def work(i):
+            barrier.wait()
+            for _ in range(3):
+                results[i] = m(xs[i])
+            decoded[i] = _decode(m, xs[i][:, :40], m.new_cache(2, 40))
 
-    threads = [threading.Thread(target=work, args=(i,)) for i in range(8)]
+        threads = [threading.Thread(target=work, args=(i,)) for i in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        for a, b in zip(results, serial):
+            np.testing.assert_array_equal(a, b)
+        for a, b in zip(decoded, serial_decode):
+            np.testing.assert_array_equal(a, b)
+
+
+def test_concurrent_calls_leave_every_blas_thread_count_as_they_found_it(rng):
+    before = {d["filepath"]: d["num_threads"] for d in threadpoolctl.threadpool_info()}
+    m = mh.MultiHeadAttention(32, 64, 256, 0.0, 4, seed=0)
+    x = rng.standard_normal((2, 200, 32)).astype(np.float32)
+    threads = [threading.Thread(target=lambda: [m(x) for _ in range(5)]) for _ in range(6)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    for a, b in zip(results, serial):
-        np.testing.assert_array_equal(a, b)
+    after = {d["filepath"]: d["num_threads"] for d in threadpoolctl.threadpool_info()}
+    assert {k: after[k] for k in before} == before
