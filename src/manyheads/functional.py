@@ -15,7 +15,7 @@ from . import _config, _core
 from ._validate import (FLOAT_DTYPES, FLOAT_DTYPES_TEXT, as_float_array, check_bool,
                         check_dropout, check_optional_real, seed_value)
 
-__all__ = ["scaled_dot_product_attention", "SUPPORTED_DTYPES"]
+__all__ = ["scaled_dot_product_attention", "linear", "SUPPORTED_DTYPES"]
 
 SUPPORTED_DTYPES = FLOAT_DTYPES
 
@@ -147,3 +147,41 @@ def scaled_dot_product_attention(
                            seed=seed_value(seed) if p > 0 else 0, enable_gqa=gqa,
                            return_weights=check_bool(return_weights, "return_weights"),
                            num_threads=nt)
+
+
+def linear(x: Any, weight: Any, bias: Any = None, *, num_threads: int | None = None
+           ) -> np.ndarray:
+    """``x @ weight + bias`` on manyheads' own threads (NumPy's convention, weight (in, out)).
+
+    The product the modules use for their projections, for the rest of a model
+    (MLPs, the LM head): one to four rows (decode) run through a memory-bound
+    kernel that reads ``weight`` once; more rows run as single-threaded BLAS
+    tiles on manyheads' threads, so no second thread pool competes with the
+    attention.  Results are the same bits for any thread count.
+
+    Parameters
+    ----------
+    x : ndarray, shape (..., in_features)
+    weight : ndarray, shape (in_features, out_features)
+    bias : ndarray, shape (out_features,), optional
+        All float32 or all float64.
+    num_threads : int, optional, keyword-only
+        Threads for this call; defaults to :func:`manyheads.get_num_threads`.
+
+    Returns
+    -------
+    ndarray, shape (..., out_features)
+    """
+    xa = as_float_array(x, "x")
+    w = as_float_array(weight, "weight")
+    b = None if bias is None else as_float_array(bias, "bias")
+    if w.dtype != xa.dtype or (b is not None and b.dtype != xa.dtype):
+        raise TypeError(f"x, weight and bias must share one dtype; got {xa.dtype}, {w.dtype}"
+                        + ("" if b is None else f", {b.dtype}"))
+    if xa.ndim < 1 or w.ndim != 2 or xa.shape[-1] != w.shape[0]:
+        raise ValueError(f"weight must have shape (in_features, out_features) = "
+                         f"({xa.shape[-1] if xa.ndim else '?'}, n); got x {xa.shape} and "
+                         f"weight {w.shape}")
+    if b is not None and b.shape != (w.shape[1],):
+        raise ValueError(f"bias must have shape ({w.shape[1]},), got {b.shape}")
+    return _core.linear(xa, w, b, _config.resolve_num_threads(num_threads))

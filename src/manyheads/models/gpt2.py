@@ -11,6 +11,7 @@ from typing import Any, TypedDict
 
 import numpy as np
 
+from ..functional import linear
 from ..interop import tensor_to_numpy
 from ..modules import MultiHeadAttention
 
@@ -30,9 +31,11 @@ class _Block(TypedDict):
 class GPT2:
     """A Hugging Face ``GPT2LMHeadModel`` run in NumPy, every attention layer on manyheads.
 
-    Embeddings, LayerNorms and MLPs are NumPy; each block's attention is a
-    fused :class:`~manyheads.MultiHeadAttention` imported with ``from_torch``
-    and fed a KV cache when decoding.  float32 throughout.
+    Embeddings, LayerNorms and GELU are NumPy; the MLP and LM-head products
+    run through :func:`manyheads.linear` on the same threads as the attention;
+    each block's attention is a fused :class:`~manyheads.MultiHeadAttention`
+    imported with ``from_torch`` and fed a KV cache when decoding.  float32
+    throughout.
 
     >>> runner = GPT2(hf_model)                     # doctest: +SKIP
     >>> tokens = runner.generate([464, 3290], 20)   # greedy, with the KV cache
@@ -76,26 +79,32 @@ class GPT2:
     def new_caches(self, batch_size: int, max_len: int) -> list[Any]:
         return [b["attn"].new_cache(batch_size, max_len) for b in self.blocks]
 
-    def logits(self, ids: Any, start: int = 0, caches: list[Any] | None = None) -> np.ndarray:
-        """Logits (B, T, vocab) for token ids (B, T) at positions start.. (caches hold the rest)."""
+    def logits(self, ids: Any, start: int = 0, caches: list[Any] | None = None, *,
+               last_only: bool = False) -> np.ndarray:
+        """Logits (B, T, vocab) for token ids (B, T) at positions start.. (caches hold the rest).
+
+        ``last_only`` computes the logits of the last position only, (B, 1, vocab).
+        """
         ids = np.atleast_2d(np.asarray(ids))
         x = self.wte[ids] + self.wpe[start:start + ids.shape[1]]
         for i, b in enumerate(self.blocks):
             h = b["attn"](self._ln(x, b["ln1"]), cache=None if caches is None else caches[i])
             x = x + h
-            m = self._gelu(self._ln(x, b["ln2"]) @ b["fc"][0] + b["fc"][1])
-            x = x + (m @ b["proj"][0] + b["proj"][1])
-        out: np.ndarray = self._ln(x, self.ln_f) @ self.head
-        return out
+            m = self._gelu(linear(self._ln(x, b["ln2"]), *b["fc"]))
+            x = x + linear(m, *b["proj"])
+        if last_only:
+            x = x[:, -1:]
+        return linear(self._ln(x, self.ln_f), self.head)
 
     def generate(self, prompt: Any, n: int) -> list[int]:
         """Greedy decoding of n tokens after the prompt, with the KV cache."""
         tokens = [int(t) for t in prompt]
         caches = self.new_caches(1, len(tokens) + n)
-        logits = self.logits([tokens], 0, caches)[0, -1]
+        logits = self.logits([tokens], 0, caches, last_only=True)[0, -1]
         out: list[int] = []
         for step in range(n):
             out.append(int(np.argmax(logits)))
             if step + 1 < n:
-                logits = self.logits([[out[-1]]], len(tokens) + step, caches)[0, -1]
+                logits = self.logits([[out[-1]]], len(tokens) + step, caches,
+                                     last_only=True)[0, -1]
         return out
