@@ -3,6 +3,7 @@ import numpy as np
 import pytest
 
 import manyheads as mh
+from manyheads import _kernels
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
@@ -19,10 +20,11 @@ def test_linear_matches_numpy_for_few_and_many_rows(rng, dtype, rows, n):
     np.testing.assert_allclose(mh.linear(x, w), ref - b, rtol=0, atol=tol)
 
 
-@pytest.mark.parametrize("rows", [1, 4, 513])
-def test_linear_is_the_same_bits_on_any_thread_count(rng, rows):
-    x = rng.standard_normal((rows, 200)).astype(np.float32)
-    w = rng.standard_normal((200, 700)).astype(np.float32)
+@pytest.mark.parametrize("rows,k,n", [(1, 2048, 3000), (4, 1024, 2100), (513, 200, 700)])
+def test_linear_is_the_same_bits_on_any_thread_count(rng, rows, k, n):
+    assert rows * k * n > _kernels.SERIAL_WORK  # big enough to be split across threads
+    x = rng.standard_normal((rows, k)).astype(np.float32)
+    w = rng.standard_normal((k, n)).astype(np.float32)
     one = mh.linear(x, w, num_threads=1)
     for nt in (2, 3, 8):
         np.testing.assert_array_equal(mh.linear(x, w, num_threads=nt), one)
