@@ -9,6 +9,7 @@ one offset table per operand, since the kernels address every operand as
 """
 from __future__ import annotations
 
+import functools
 import math
 import threading
 from contextlib import nullcontext
@@ -18,7 +19,7 @@ import numpy as np
 
 from . import _blas, _kernels
 
-__all__ = ["attention", "linear", "kernel_ready", "SPLIT_KEYS"]
+__all__ = ["attention", "linear", "apply_rope", "rope_tables", "kernel_ready", "SPLIT_KEYS"]
 
 # keys per range in the split-key schedule; fixed, so results never depend on the thread count
 SPLIT_KEYS = 512
@@ -196,3 +197,37 @@ def linear(x: np.ndarray, w: np.ndarray, bias: np.ndarray | None, num_threads: i
         if b is not None:
             out += b
     return out.reshape(lead + (n,))
+
+
+@functools.lru_cache(maxsize=32)
+def rope_tables(theta: float, head_dim: int, length: int) -> tuple[np.ndarray, np.ndarray]:
+    """cos and sin, (length, head_dim // 2) float32, of the rotary angles p * theta^(-2i/D).
+
+    The angles are computed in float64 and rounded once: Hugging Face's
+    models form them in float32, whose rounding at position p is about
+    p * 2^-24 radians; the two agree to that.
+    """
+    inv_freq = theta ** (-np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    angles = np.arange(length, dtype=np.float64)[:, None] * inv_freq[None, :]
+    cos, sin = np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
+    cos.flags.writeable = sin.flags.writeable = False
+    return cos, sin
+
+
+def apply_rope(x: np.ndarray, theta: float, start: int) -> None:
+    """Rotate x (..., T, D) in place by positions start .. start+T-1 (``rotate_half`` layout).
+
+    Each head's two halves (x1, x2) become (x1 cos - x2 sin, x2 cos + x1 sin),
+    Hugging Face's ``apply_rotary_pos_emb``.  x may be a strided view (the
+    query or key columns of a packed projection).
+    """
+    T, D = x.shape[-2:]
+    half = D // 2
+    length = 1 << max(10, (start + T - 1).bit_length())  # tables grow in powers of two
+    cos, sin = rope_tables(float(theta), D, length)
+    c, s = cos[start:start + T], sin[start:start + T]
+    x1, x2 = x[..., :half], x[..., half:2 * half]
+    r1 = x1 * c - x2 * s
+    x2 *= c
+    x2 += x1 * s
+    x1[...] = r1

@@ -18,14 +18,16 @@ that call a module at the same time (see the README's guarantees).
 """
 from __future__ import annotations
 
+import math
 import threading
 from contextlib import contextmanager
 from typing import Any, Iterator
 
 import numpy as np
 
-from . import _core
-from ._validate import check_int, check_optional_int
+from . import _config, _core
+from ._validate import (FLOAT_DTYPES, as_float_array, check_bool, check_int, check_optional_int,
+                        check_optional_real)
 
 __all__ = ["KVCache", "CacheStep"]
 
@@ -102,6 +104,76 @@ class KVCache:
         self.padding[...] = False
         self._any_padding = False
 
+    def attend(self, query: Any, key: Any, value: Any, *, key_padding_mask: Any = None,
+               scale: float | None = None, return_weights: bool = False,
+               num_threads: int | None = None) -> Any:
+        """Append ``key``/``value`` for the new tokens and attend ``query`` over the whole cache.
+
+        The functional side of the cache, for blocks with their own projections
+        (or their own rotary embeddings): the split-key decode and the cache's
+        storage type come along.  New queries are aligned to the end of the
+        keys: the query of absolute position p sees keys 0..p (the last
+        ``window`` of them with a sliding window).
+
+        Parameters
+        ----------
+        query : ndarray, shape (B, Hq, T, D)
+            Hq a multiple of the cache's kv heads (grouped queries share them).
+        key, value : ndarray, shape (B, Hkv, T, D)
+            The new tokens' keys and values; the cache's length grows by T.
+        key_padding_mask : bool array (B, T), optional
+            True marks padding tokens among the new ones (never attended to).
+        scale : float, optional
+            Defaults to ``1 / sqrt(D)``.
+        return_weights : bool
+            Also return the weights, shape (B, Hq, T, S) over the S keys attended.
+        num_threads : int, optional
+
+        Returns
+        -------
+        out : ndarray, shape (B, Hq, T, D)
+        weights : ndarray, with ``return_weights=True``
+        """
+        q = as_float_array(query, "query")
+        k = as_float_array(key, "key")
+        v = as_float_array(value, "value")
+        B, Hkv, D = self.batch_size, self.num_kv_heads, self.head_dim
+        for name, arr in (("key", k), ("value", v)):
+            if arr.ndim != 4 or arr.shape[0] != B or arr.shape[1] != Hkv or arr.shape[3] != D:
+                raise ValueError(f"{name} must have shape (batch={B}, kv_heads={Hkv}, tokens, "
+                                 f"head_dim={D}), got {arr.shape}")
+        T = k.shape[2]
+        if v.shape[2] != T:
+            raise ValueError(f"key and value must have the same tokens, got {k.shape} and "
+                             f"{v.shape}")
+        if q.ndim != 4 or q.shape[0] != B or q.shape[2] != T or q.shape[3] != D or \
+                q.shape[1] % Hkv:
+            raise ValueError(f"query must have shape (batch={B}, heads (a multiple of {Hkv}), "
+                             f"tokens={T}, head_dim={D}), got {q.shape}")
+        if not (q.dtype == k.dtype == v.dtype):
+            raise TypeError(f"query, key and value must share one dtype; got {q.dtype}, "
+                            f"{k.dtype}, {v.dtype}")
+        compute = self.dtype if self.dtype in FLOAT_DTYPES else np.dtype(np.float32)
+        if q.dtype != compute:
+            raise TypeError(f"a {self.dtype} cache takes {compute} queries, keys and values, "
+                            f"got {q.dtype}")
+        pad = None
+        if key_padding_mask is not None:
+            pad = np.asarray(key_padding_mask)
+            if pad.dtype != np.bool_ or pad.shape != (B, T):
+                raise ValueError(f"key_padding_mask must be a bool array of shape {(B, T)}, "
+                                 f"got {pad.dtype} {pad.shape}")
+        s = check_optional_real(scale, "scale")
+        rw = check_bool(return_weights, "return_weights")
+        nt = _config.resolve_num_threads(num_threads)
+        if self._len + T > self.max_len:
+            raise ValueError(f"cache is full: {self._len} tokens + {T} new > "
+                             f"max_len={self.max_len}")
+        with self.step(T, pad) as step:
+            return step.attend(q, k, v, scale=1.0 / math.sqrt(D) if s is None else s,
+                               num_threads=nt,
+                               return_weights=rw)
+
     # -- the modules' side ---------------------------------------------------------------
     def check_compatible(self, *, batch: int, num_kv_heads: int, head_dim: int,
                          dtype: np.dtype, window: int | None, new_tokens: int) -> None:
@@ -152,6 +224,7 @@ class CacheStep:
         self.cache = cache
         self.new_tokens = new_tokens
         self.pad_new = pad_new
+        self.start = len(cache)  # absolute position of the first new token
 
     def attend(self, q: np.ndarray, k_new: np.ndarray, v_new: np.ndarray,
                heads: slice = slice(None), *, scale: float, num_threads: int,

@@ -41,7 +41,8 @@ class FusedWeights:
     ``W_q``, ``W_k``, ``W_v`` are (d_in, d_out) with head h in columns
     h*head_dim..(h+1)*head_dim; biases (d_out,) or None; ``W_out`` (d_out,
     d_out) and ``b_out`` (d_out,), or None when there is no output projection;
-    ``scale`` None means 1/sqrt(head_dim).
+    ``scale`` None means 1/sqrt(head_dim); ``rope_theta`` the base of rotary
+    position embeddings, None for none.
     """
 
     d_in: int
@@ -57,6 +58,7 @@ class FusedWeights:
     b_out: np.ndarray | None
     scale: float | None
     dropout: float
+    rope_theta: float | None = None
 
 
 def tensor_to_numpy(t: Any, dtype: Any) -> np.ndarray:

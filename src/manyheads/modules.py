@@ -55,6 +55,7 @@ class _AttentionModule:
     window: int | None
     dtype: np.dtype
     scale: float | None = None  # multiplies q.k; None is 1/sqrt(head_dim)
+    rope_theta: float | None = None  # rotary position embeddings' base; None: none
     _rng: np.random.Generator
 
     def _init_common(self, d_in: Any, d_out: Any, context_length: Any, dropout: Any,
@@ -75,6 +76,22 @@ class _AttentionModule:
                 f"d_out ({self.d_out}) must be divisible by num_heads ({self.num_heads})"
             )
         self.head_dim = self.d_out // self.num_heads
+
+    def _init_rope(self, rope_theta: Any, head_dim: int) -> None:
+        theta = check_optional_real(rope_theta, "rope_theta")
+        if theta is not None and theta <= 0:
+            raise ValueError(f"rope_theta must be positive, got {theta}")
+        if theta is not None and head_dim % 2:
+            raise ValueError(f"rotary position embeddings need an even head size, got {head_dim}")
+        self.rope_theta = theta
+
+    def _rotate(self, q: np.ndarray, k: np.ndarray, step: CacheStep | None) -> None:
+        """Rotary position embeddings on q and k (B, H, T, D) in place; positions start
+        at the cache's length (0 without a cache), so keys are cached rotated."""
+        if self.rope_theta is not None:
+            start = 0 if step is None else step.start
+            _core.apply_rope(q, self.rope_theta, start)
+            _core.apply_rope(k, self.rope_theta, start)
 
     # -- subclasses ---------------------------------------------------------------------
     def _cache_geometry(self) -> tuple[int, int]:
@@ -228,6 +245,10 @@ class CausalAttention(_AttentionModule):
         Whether the query, key and value projections have biases.
     window : int, optional, keyword-only
         Sliding window: each query sees its ``window`` most recent keys.
+    rope_theta : float, optional, keyword-only
+        Rotary position embeddings on queries and keys with this base
+        (Hugging Face's ``rotate_half`` convention); positions continue from
+        the cache's length.  None (the default): no rotary embeddings.
     dtype : float32 or float64, keyword-only
     seed : int, numpy Generator or None, keyword-only
         Seeds the weight initialisation and the dropout stream.
@@ -239,9 +260,11 @@ class CausalAttention(_AttentionModule):
     """
 
     def __init__(self, d_in: int, d_out: int, context_length: int, dropout: float = 0.0,
-                 qkv_bias: bool = False, *, window: int | None = None, dtype: Any = np.float32,
+                 qkv_bias: bool = False, *, window: int | None = None,
+                 rope_theta: float | None = None, dtype: Any = np.float32,
                  seed: Any = None) -> None:
         self._init_common(d_in, d_out, context_length, dropout, qkv_bias, window, dtype, seed)
+        self._init_rope(rope_theta, self.d_out)
         rng, shape = self._rng, (self.d_in, self.d_out)
         self.W_query = _linear_init(rng, self.d_in, shape, self.dtype)
         self.W_key = _linear_init(rng, self.d_in, shape, self.dtype)
@@ -274,6 +297,7 @@ class CausalAttention(_AttentionModule):
         q = self._project(xb, self.W_query, self.b_query, nt)[:, None]
         k = self._project(xb, self.W_key, self.b_key, nt)[:, None]
         v = self._project(xb, self.W_value, self.b_value, nt)[:, None]
+        self._rotate(q, k, step)
         return self._attend(q, k, v, pad, step, heads=heads, p=p, seed=seed,
                             return_weights=return_weights, nt=nt)
 
@@ -305,13 +329,16 @@ class StackedMultiHeadAttention(_AttentionModule):
 
     def __init__(self, d_in: int, d_out: int, context_length: int, dropout: float,
                  num_heads: int, qkv_bias: bool = False, *, out_proj: bool = True,
-                 window: int | None = None, dtype: Any = np.float32, seed: Any = None) -> None:
+                 window: int | None = None, rope_theta: float | None = None,
+                 dtype: Any = np.float32, seed: Any = None) -> None:
         self._init_common(d_in, d_out, context_length, dropout, qkv_bias, window, dtype, seed)
         self._init_heads(num_heads)
+        self._init_rope(rope_theta, self.head_dim)
         rng = self._rng
         self.heads = [
             CausalAttention(self.d_in, self.head_dim, self.context_length, self.dropout,
-                            self.qkv_bias, window=self.window, dtype=self.dtype, seed=rng)
+                            self.qkv_bias, window=self.window, rope_theta=self.rope_theta,
+                            dtype=self.dtype, seed=rng)
             for _ in range(self.num_heads)
         ]
         self.W_out: np.ndarray | None = None
@@ -358,7 +385,7 @@ class StackedMultiHeadAttention(_AttentionModule):
             b_q=packed("b_query", 0), b_k=packed("b_key", 0), b_v=packed("b_value", 0),
             W_out=None if self.W_out is None else self.W_out.copy(),
             b_out=None if self.b_out is None else self.b_out.copy(),
-            scale=None, dropout=self.dropout)
+            scale=None, dropout=self.dropout, rope_theta=self.rope_theta)
 
     @classmethod
     def from_weights(cls, w: FusedWeights, context_length: int, *, window: int | None = None,
@@ -368,7 +395,8 @@ class StackedMultiHeadAttention(_AttentionModule):
             raise ValueError("a stack of heads uses the scale 1/sqrt(head_dim); use a fused "
                              "MultiHeadAttention for this module")
         st = cls(w.d_in, w.d_out, context_length, w.dropout, w.num_heads, w.b_q is not None,
-                 out_proj=w.W_out is not None, window=window, dtype=dtype, seed=0)
+                 out_proj=w.W_out is not None, window=window, rope_theta=w.rope_theta,
+                 dtype=dtype, seed=0)
         for h, head in enumerate(st.heads):
             c = _head_columns(h, st.head_dim)
             head.W_query[...], head.W_key[...], head.W_value[...] = w.W_q[:, c], w.W_k[:, c], w.W_v[:, c]
@@ -450,6 +478,11 @@ class MultiHeadAttention(_AttentionModule):
         Sliding window: each query sees its ``window`` most recent keys.
     scale : float, optional, keyword-only
         Multiplies the query-key products; defaults to ``1 / sqrt(head_dim)``.
+    rope_theta : float, optional, keyword-only
+        Rotary position embeddings on queries and keys with this base
+        (Hugging Face's ``rotate_half`` convention, as in Llama and Qwen2);
+        positions continue from the cache's length, and keys are cached
+        rotated.  None (the default): no rotary embeddings.
     dtype, seed : keyword-only
 
     Attributes
@@ -470,10 +503,12 @@ class MultiHeadAttention(_AttentionModule):
 
     def __init__(self, d_in: int, d_out: int, context_length: int, dropout: float,
                  num_heads: int, qkv_bias: bool = False, *, num_kv_heads: int | None = None,
-                 window: int | None = None, scale: float | None = None, dtype: Any = np.float32,
+                 window: int | None = None, scale: float | None = None,
+                 rope_theta: float | None = None, dtype: Any = np.float32,
                  seed: Any = None) -> None:
         self._init_common(d_in, d_out, context_length, dropout, qkv_bias, window, dtype, seed)
         self._init_heads(num_heads)
+        self._init_rope(rope_theta, self.head_dim)
         self.scale = check_optional_real(scale, "scale")
         kvh = check_optional_int(num_kv_heads, "num_kv_heads", 1) or self.num_heads
         if self.num_heads % kvh:
@@ -503,6 +538,7 @@ class MultiHeadAttention(_AttentionModule):
     def __repr__(self) -> str:
         kv = f", num_kv_heads={self.num_kv_heads}" if self.num_kv_heads != self.num_heads else ""
         kv += f", window={self.window}" if self.window is not None else ""
+        kv += f", rope_theta={self.rope_theta:g}" if self.rope_theta is not None else ""
         return (f"MultiHeadAttention(d_in={self.d_in}, d_out={self.d_out}, "
                 f"context_length={self.context_length}, dropout={self.dropout}, "
                 f"num_heads={self.num_heads}, qkv_bias={self.qkv_bias}{kv}, "
@@ -523,6 +559,7 @@ class MultiHeadAttention(_AttentionModule):
         q = qkv[..., self._cols(0)].reshape(B, T, H, D).transpose(0, 2, 1, 3)
         k = qkv[..., self._cols(1)].reshape(B, T, Hkv, D).transpose(0, 2, 1, 3)
         v = qkv[..., self._cols(2)].reshape(B, T, Hkv, D).transpose(0, 2, 1, 3)
+        self._rotate(q, k, step)
         merged = np.empty((B, T, H * D), dtype=self.dtype)  # the kernel writes heads merged
         res = self._attend(q, k, v, pad, step, p=p, seed=seed, return_weights=return_weights,
                            nt=nt, out=merged.reshape(B, T, H, D).transpose(0, 2, 1, 3))
@@ -540,14 +577,14 @@ class MultiHeadAttention(_AttentionModule):
                             W_q=self.W_query.copy(), W_k=self.W_key.copy(),
                             W_v=self.W_value.copy(), b_q=bias[0], b_k=bias[1], b_v=bias[2],
                             W_out=self.W_out.copy(), b_out=self.b_out.copy(), scale=self.scale,
-                            dropout=self.dropout)
+                            dropout=self.dropout, rope_theta=self.rope_theta)
 
     @classmethod
     def from_weights(cls, w: FusedWeights, context_length: int, *, window: int | None = None,
                      dtype: Any = np.float32) -> "MultiHeadAttention":
         """A fused module with these weights (copied); no output projection becomes the identity."""
         m = cls(w.d_in, w.d_out, context_length, w.dropout, w.num_heads, w.b_q is not None,
-                window=window, scale=w.scale, dtype=dtype, seed=0)
+                window=window, scale=w.scale, rope_theta=w.rope_theta, dtype=dtype, seed=0)
         m.W_query, m.W_key, m.W_value = w.W_q, w.W_k, w.W_v
         if m.b_qkv is not None:
             assert w.b_q is not None and w.b_k is not None and w.b_v is not None
@@ -597,6 +634,7 @@ class MultiHeadAttention(_AttentionModule):
         arrays: dict[str, Any] = {
             "meta": meta, "dropout": np.array(self.dropout),
             "scale": np.array(np.nan if self.scale is None else self.scale),
+            "rope_theta": np.array(np.nan if self.rope_theta is None else self.rope_theta),
             "W_qkv": self.W_qkv, "W_out": self.W_out, "b_out": self.b_out}
         if self.b_qkv is not None:
             arrays["b_qkv"] = self.b_qkv
@@ -616,10 +654,12 @@ class MultiHeadAttention(_AttentionModule):
                                  f"{cls.FORMAT_VERSION}")
             _, d_in, d_out, ctx, H, Hkv, window = (int(x) for x in meta)
             scale = float(f["scale"])
+            theta = float(f["rope_theta"]) if "rope_theta" in files else np.nan
             W_qkv = f["W_qkv"]
             m = cls(d_in, d_out, ctx, float(f["dropout"]), H, "b_qkv" in files, num_kv_heads=Hkv,
                     window=None if window < 0 else window,
-                    scale=None if np.isnan(scale) else scale, dtype=W_qkv.dtype, seed=0)
+                    scale=None if np.isnan(scale) else scale,
+                    rope_theta=None if np.isnan(theta) else theta, dtype=W_qkv.dtype, seed=0)
             for name in ("W_qkv", "W_out", "b_out") + (("b_qkv",) if "b_qkv" in files else ()):
                 arr, target = f[name], getattr(m, name)
                 if arr.shape != target.shape:

@@ -1,0 +1,53 @@
+"""KVCache.attend: the cache from the functional side, with one's own projections."""
+import numpy as np
+import pytest
+
+import manyheads as mh
+from manyheads import oracle
+
+from conftest import normal
+
+
+def test_own_projections_through_the_cache_equal_one_causal_pass(rng):
+    B, Hq, Hkv, T, D = 2, 6, 2, 40, 16
+    q, k, v = normal(rng, (B, Hq, T, D)), normal(rng, (B, Hkv, T, D)), normal(rng, (B, Hkv, T, D))
+    cache = mh.KVCache(B, 64, Hkv, D, np.float64)
+    outs = [cache.attend(q[:, :, :30], k[:, :, :30], v[:, :, :30])]
+    for t in range(30, T):
+        outs.append(cache.attend(q[:, :, t:t + 1], k[:, :, t:t + 1], v[:, :, t:t + 1]))
+    assert len(cache) == T
+    full = oracle.scaled_dot_product_attention(q, np.repeat(k, 3, axis=1),
+                                               np.repeat(v, 3, axis=1), is_causal=True)
+    np.testing.assert_allclose(np.concatenate(outs, axis=2), full, rtol=0, atol=1e-10)
+
+
+def test_cache_attend_returns_weights_over_every_cached_key(rng):
+    cache = mh.KVCache(1, 16, 1, 8, np.float64)
+    x = normal(rng, (1, 1, 10, 8))
+    cache.attend(x, x, x)
+    out, w = cache.attend(x[:, :, :1], x[:, :, :1], x[:, :, :1], return_weights=True)
+    assert w.shape == (1, 1, 1, 11)
+    np.testing.assert_allclose(w.sum(-1), 1.0)
+
+
+@pytest.mark.parametrize("q,k,match", [
+    ((1, 2, 3, 8), (1, 3, 3, 8), "key must have shape"),
+    ((1, 3, 3, 8), (1, 2, 3, 8), "query must have shape"),
+    ((1, 2, 2, 8), (1, 2, 3, 8), "query must have shape"),
+])
+def test_cache_attend_rejects_shapes_that_do_not_fit(q, k, match):
+    cache = mh.KVCache(1, 16, 2, 8, np.float64)
+    with pytest.raises(ValueError, match=match):
+        cache.attend(np.ones(q), np.ones(k), np.ones(k))
+    assert len(cache) == 0
+
+
+def test_cache_attend_refuses_to_overflow_and_to_mix_dtypes():
+    cache = mh.KVCache(1, 4, 1, 8, np.float32)
+    x = np.ones((1, 1, 5, 8), np.float32)
+    with pytest.raises(ValueError, match="max_len"):
+        cache.attend(x, x, x)
+    with pytest.raises(TypeError, match="float32"):
+        cache.attend(x[:, :, :2].astype(np.float64), x[:, :, :2].astype(np.float64),
+                     x[:, :, :2].astype(np.float64))
+    assert len(cache) == 0
