@@ -145,7 +145,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
     try:
         import torch
     except ImportError:
-        print("  PyTorch SDPA       (torch not installed: pip install 'manyheads[bench]')")
+        print("  PyTorch SDPA       (torch not installed: pip install 'manyheads[bench]', "
+              "or '.[bench]' in a source checkout)")
     else:
         torch.set_num_threads(mh.get_num_threads())
         F = torch.nn.functional

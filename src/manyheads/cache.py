@@ -100,9 +100,57 @@ class KVCache:
 
     def reset(self) -> None:
         """Forget every token (the storage is kept)."""
-        self._len = 0
-        self.padding[...] = False
-        self._any_padding = False
+        self.truncate(0)
+
+    def truncate(self, n: int) -> None:
+        """Roll back to the first ``n`` tokens (speculative decoding, beam search).
+
+        A sliding-window cache can roll back only while it has not wrapped
+        around: once the ring buffer has overwritten a position, the tokens
+        before it are gone.
+        """
+        n = check_int(n, "n", 0)
+        if n > self._len:
+            raise ValueError(f"cannot truncate a cache of {self._len} tokens to {n}")
+        if n < self._len and self._len > self.capacity:
+            raise ValueError(f"this sliding-window cache has wrapped around (it keeps the last "
+                             f"{self.capacity} of {self._len} tokens) and cannot roll back")
+        with self._holding():
+            self._len = n
+            self.padding[:, n:] = False
+            self._any_padding = bool(self.padding[:, :n].any())
+
+    def copy(self) -> KVCache:
+        """An independent cache with the same tokens (to branch decoding from one prompt)."""
+        with self._holding():
+            state = {name: value.copy() if isinstance(value, np.ndarray) else value
+                     for name, value in vars(self).items() if name != "_busy"}
+        twin = KVCache.__new__(KVCache)
+        twin.__setstate__(state)
+        return twin
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> KVCache:
+        return self.copy()
+
+    def __getstate__(self) -> dict[str, Any]:
+        with self._holding():
+            state = dict(vars(self))
+        del state["_busy"]
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._busy = threading.Lock()
+
+    @contextmanager
+    def _holding(self) -> Iterator[None]:
+        if not self._busy.acquire(blocking=False):
+            raise RuntimeError("KVCache is in use by another call: a cache belongs to one "
+                               "decoding stream (give each thread its own cache)")
+        try:
+            yield
+        finally:
+            self._busy.release()
 
     def attend(self, query: Any, key: Any, value: Any, *, key_padding_mask: Any = None,
                scale: float | None = None, return_weights: bool = False,
@@ -205,16 +253,11 @@ class KVCache:
         without an exception the cache's length advances by ``new_tokens``.
         A second caller while a step is open gets RuntimeError.
         """
-        if not self._busy.acquire(blocking=False):
-            raise RuntimeError("KVCache is in use by another call: a cache belongs to one "
-                               "decoding stream (give each thread its own cache)")
-        try:
+        with self._holding():
             yield CacheStep(self, new_tokens, key_padding_mask)
             self._len += new_tokens
             if key_padding_mask is not None and key_padding_mask.any():
                 self._any_padding = True
-        finally:
-            self._busy.release()
 
 
 class CacheStep:

@@ -141,6 +141,10 @@ def scaled_dot_product_attention(
     gqa = check_bool(enable_gqa, "enable_gqa")
     if gqa:
         _check_gqa(q, k, v)
+    elif q.ndim >= 3 and k.ndim >= 3 and q.shape[-3] != k.shape[-3] and k.shape[-3] > 1 \
+            and q.shape[-3] % k.shape[-3] == 0:
+        raise ValueError(f"query has {q.shape[-3]} heads and key/value {k.shape[-3]}: for "
+                         f"grouped-query attention pass enable_gqa=True")
     mask = None if attn_mask is None else _check_mask(attn_mask, q.dtype)
     return _core.attention(q, k, v, mask=mask, causal_offset=0 if causal else None,
                            scale=1.0 / math.sqrt(q.shape[-1]) if s is None else s, dropout_p=p,

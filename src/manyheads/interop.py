@@ -25,7 +25,10 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["FusedWeights", "fused_weights", "context_length_of", "tensor_to_numpy", "SUPPORTED"]
+__all__ = ["FusedWeights", "fused_weights", "import_module", "context_length_of",
+           "tensor_to_numpy", "SUPPORTED", "DEFAULT_CONTEXT_LENGTH"]
+
+DEFAULT_CONTEXT_LENGTH = 1024  # when the source records none
 
 SUPPORTED = (
     "torch.nn.MultiheadAttention, the book's MultiHeadAttention (W_query/W_key/W_value/"
@@ -59,6 +62,7 @@ class FusedWeights:
     scale: float | None
     dropout: float
     rope_theta: float | None = None
+    causal: bool = True
 
 
 def tensor_to_numpy(t: Any, dtype: Any) -> np.ndarray:
@@ -151,7 +155,28 @@ def fused_weights(m: Any, dtype: Any = np.float32) -> FusedWeights:
                 dropout=float(drop))
 
 
-def context_length_of(m: Any, default: int = 1024) -> int:
+def import_module(m: Any, *, causal: bool | None,
+                  dtype: Any = np.float32) -> tuple[FusedWeights, int, bool]:
+    """(weights, context length, batch_first) of PyTorch module ``m`` for the modules' from_torch.
+
+    ``nn.MultiheadAttention`` does not record whether it is causal (its mask
+    comes at call time), so ``causal`` must be given for it; the book's
+    modules and GPT-2 are causal by construction (``causal=None`` means True).
+    """
+    kind = _kind(m)
+    w = fused_weights(m, dtype)  # unsupported sources and settings fail first
+    if causal is None and kind == "torch_mha":
+        raise TypeError("nn.MultiheadAttention does not record whether it is causal: pass "
+                        "causal=True (a decoder: query i sees keys 0..i) or causal=False "
+                        "(an encoder: every query sees every key)")
+    if causal is not None and not isinstance(causal, (bool, np.bool_)):
+        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+    w.causal = True if causal is None else bool(causal)
+    batch_first = bool(getattr(m, "batch_first", True)) if kind == "torch_mha" else True
+    return w, context_length_of(m), batch_first
+
+
+def context_length_of(m: Any, default: int = DEFAULT_CONTEXT_LENGTH) -> int:
     """The module's context length when it records one (the book's mask buffer, GPT-2's config)."""
     mask = getattr(m, "mask", None)
     if mask is not None and hasattr(mask, "shape") and len(mask.shape) == 2:

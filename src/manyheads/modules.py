@@ -18,7 +18,8 @@ Weights move between them (and in from PyTorch) through one neutral record,
 """
 from __future__ import annotations
 
-from typing import Any
+import json
+from typing import Any, TypeVar, cast
 
 import numpy as np
 
@@ -44,32 +45,68 @@ def _head_columns(h: int, head_dim: int) -> slice:
     return slice(h * head_dim, (h + 1) * head_dim)
 
 
+_SHARED_PARAMETERS = """
+    context_length : int
+        Longest sequence the module accepts (default 1024), and the highest
+        position a cache may reach.
+    dropout : float
+        Dropout on the attention weights when called with ``training=True``.
+    qkv_bias : bool
+        Whether the query, key and value projections have biases.
+    causal : bool, keyword-only
+        True (the default, as in the book): query i sees keys 0..i.  False: an
+        encoder layer, every query sees every key (masks still apply).
+    window : int, optional, keyword-only
+        Sliding window (causal only): each query sees its ``window`` most recent keys.
+    rope_theta : float, optional, keyword-only
+        Rotary position embeddings on queries and keys with this base
+        (Hugging Face's ``rotate_half`` convention, as in Llama and Qwen2);
+        positions continue from the cache's length, and keys are cached
+        rotated.  None (the default): no rotary embeddings.
+    batch_first : bool, keyword-only
+        True (the default): inputs and outputs are (B, T, d).  False: (T, B, d),
+        like ``torch.nn.MultiheadAttention(batch_first=False)``.
+    dtype : float32 or float64, keyword-only
+    seed : int, numpy Generator or None, keyword-only
+        Seeds the weight initialisation and the dropout stream."""
+
+
 class _AttentionModule:
-    """The constructor skeleton and the call template shared by the modules."""
+    """The constructor skeleton, the call template and save/load shared by the modules."""
 
     d_in: int
     d_out: int
     context_length: int
     dropout: float
     qkv_bias: bool
+    causal: bool
     window: int | None
+    batch_first: bool
     dtype: np.dtype
+    num_heads: int = 1
     scale: float | None = None  # multiplies q.k; None is 1/sqrt(head_dim)
     rope_theta: float | None = None  # rotary position embeddings' base; None: none
     _rng: np.random.Generator
 
     def _init_common(self, d_in: Any, d_out: Any, context_length: Any, dropout: Any,
-                     qkv_bias: Any, window: Any, dtype: Any, seed: Any) -> None:
+                     qkv_bias: Any, *, causal: Any, window: Any, batch_first: Any, dtype: Any,
+                     seed: Any) -> None:
         self.d_in = check_int(d_in, "d_in", 1)
-        self.d_out = check_int(d_out, "d_out", 1)
+        self.d_out = self.d_in if d_out is None else check_int(d_out, "d_out", 1)
         self.context_length = check_int(context_length, "context_length", 1)
         self.dropout = check_dropout(dropout, "dropout")
         self.qkv_bias = bool(qkv_bias)
+        self.causal = check_bool(causal, "causal")
         self.window = check_optional_int(window, "window", 1)
+        if self.window is not None and not self.causal:
+            raise ValueError("window needs a causal module (causal=True)")
+        self.batch_first = check_bool(batch_first, "batch_first")
         self.dtype = check_float_dtype(dtype)
         self._rng = rng_from_seed(seed)
 
     def _init_heads(self, num_heads: Any) -> None:
+        if num_heads is None:
+            raise TypeError("num_heads is required, e.g. MultiHeadAttention(768, num_heads=12)")
         self.num_heads = check_int(num_heads, "num_heads", 1)
         if self.d_out % self.num_heads:
             raise ValueError(
@@ -85,6 +122,14 @@ class _AttentionModule:
             raise ValueError(f"rotary position embeddings need an even head size, got {head_dim}")
         self.rope_theta = theta
 
+    def _options_repr(self) -> str:
+        """The keyword options that differ from their defaults, for __repr__."""
+        parts = [] if self.causal else ["causal=False"]
+        parts += [] if self.window is None else [f"window={self.window}"]
+        parts += [] if self.rope_theta is None else [f"rope_theta={self.rope_theta:g}"]
+        parts += [] if self.batch_first else ["batch_first=False"]
+        return "".join(", " + p for p in parts) + f", dtype={self.dtype.name}"
+
     def _rotate(self, q: np.ndarray, k: np.ndarray, step: CacheStep | None) -> None:
         """Rotary position embeddings on q and k (B, H, T, D) in place; positions start
         at the cache's length (0 without a cache), so keys are cached rotated."""
@@ -98,10 +143,12 @@ class _AttentionModule:
         """(kv heads, head size) of this module's cache."""
         raise NotImplementedError
 
-    def _forward(self, xb: np.ndarray, pad: np.ndarray | None, step: CacheStep | None,
-                 training: bool, return_weights: bool,
-                 nt: int) -> tuple[np.ndarray, np.ndarray | None]:
-        """(B, T, d_out) output and the weights (or None) of checked (B, T, d_in) input."""
+    def _forward(self, xq: np.ndarray, kv_in: tuple[np.ndarray, np.ndarray] | None,
+                 mask: np.ndarray | None, step: CacheStep | None, training: bool,
+                 return_weights: bool, nt: int) -> tuple[np.ndarray, np.ndarray | None]:
+        """(B, T, d_out) output and the weights (or None) of checked (B, T, d_in) queries;
+        ``kv_in`` holds separate key and value inputs (B, S, d_in), None for
+        self-attention; ``mask`` is in the kernels' convention (see _call_mask)."""
         raise NotImplementedError
 
     # -- the call template ----------------------------------------------------------------
@@ -116,7 +163,8 @@ class _AttentionModule:
         return KVCache(batch_size, max_len, kv_heads, head_dim,
                        self.dtype if dtype is None else dtype, window=self.window)
 
-    def __call__(self, x: Any, *, cache: KVCache | None = None, key_padding_mask: Any = None,
+    def __call__(self, x: Any, key: Any = None, value: Any = None, *, attn_mask: Any = None,
+                 key_padding_mask: Any = None, cache: KVCache | None = None,
                  return_weights: bool = False, training: bool = False,
                  num_threads: int | None = None) -> Any:
         """Context vectors of every token.
@@ -124,13 +172,23 @@ class _AttentionModule:
         Parameters
         ----------
         x : array, shape (B, T, d_in) or (T, d_in)
-        cache : KVCache, optional
-            From ``new_cache()``: x's keys and values are appended and its
-            queries attend over everything cached (query at absolute position p
-            sees keys 0..p).
-        key_padding_mask : bool array (B, T), optional
-            True marks padding tokens of x (e.g. left padding of short prompts);
+            The tokens whose queries attend ((T, B, d_in) with ``batch_first=False``).
+        key, value : array, shape (B, S, d_in), optional
+            Separate inputs for keys and values (cross-attention); by default
+            both come from ``x`` (self-attention).
+        attn_mask : array, optional
+            ``torch.nn.MultiheadAttention``'s convention: boolean True means the
+            query may **not** attend the key; a float mask is added to the
+            scores.  Shape (T, S), (B * num_heads, T, S) or broadcastable to
+            (B, num_heads, T, S).  Combined with the causal mask of a causal
+            module.
+        key_padding_mask : bool array (B, S), optional
+            True marks padding keys (e.g. left padding of short prompts);
             nothing attends to them.
+        cache : KVCache, optional
+            From ``new_cache()`` (causal self-attention only): x's keys and
+            values are appended and its queries attend over everything cached
+            (query at absolute position p sees keys 0..p).
         return_weights : bool
             Also return the attention weights.
         training : bool
@@ -144,56 +202,80 @@ class _AttentionModule:
         weights : ndarray, with ``return_weights=True``
             (B, num_heads, T, S) or (num_heads, T, S) for the multi-head
             modules, (B, T, S) or (T, S) for one head (S = keys attended).
+
+        A query whose every key is masked gets zeros (PyTorch gives NaN).
         """
-        xb, single = self._prepare_input(x)
-        B, T, _ = xb.shape
-        pad = self._check_padding(key_padding_mask, B, T)
+        xq, single = self._prepare_input(x, "x")
+        B, T, _ = xq.shape
+        kv_in = None
+        if key is not None or value is not None:
+            if key is None or value is None:
+                raise ValueError("give both key and value (cross-attention), or neither")
+            if cache is not None:
+                raise ValueError("a cache serves self-attention: do not give key and value "
+                                 "with a cache")
+            kb, _ = self._prepare_input(key, "key", single)
+            vb, _ = self._prepare_input(value, "value", single)
+            if kb.shape[0] != B or vb.shape[:2] != kb.shape[:2]:
+                raise ValueError(f"key and value must have the batch of x ({B}) and one length; "
+                                 f"got key {kb.shape} and value {vb.shape}")
+            kv_in = (kb, vb)
+        S = T if kv_in is None else kv_in[0].shape[1]
+        pad = self._check_padding(key_padding_mask, B, S)
         training = check_bool(training, "training")
         return_weights = check_bool(return_weights, "return_weights")
         nt = _config.resolve_num_threads(num_threads)
         if cache is None:
-            y, w = self._forward(xb, pad, None, training, return_weights, nt)
+            mask = self._call_mask(attn_mask, pad, B, T, S)
+            y, w = self._forward(xq, kv_in, mask, None, training, return_weights, nt)
         else:
-            if not isinstance(cache, KVCache):
-                raise TypeError(f"cache must be a KVCache from new_cache(), "
-                                f"got {type(cache).__name__}")
-            kv_heads, head_dim = self._cache_geometry()
-            cache.check_compatible(batch=B, num_kv_heads=kv_heads, head_dim=head_dim,
-                                   dtype=self.dtype, window=self.window, new_tokens=T)
+            self._check_cache_call(cache, attn_mask, B, T)
             with cache.step(T, pad) as step:
-                y, w = self._forward(xb, pad, step, training, return_weights, nt)
+                y, w = self._forward(xq, None, None, step, training, return_weights, nt)
+        if not self.batch_first:
+            y = y.swapaxes(0, 1)
         if single:
-            y = y[0]
+            y = y[0] if self.batch_first else y[:, 0]
             w = None if w is None else w[0]
         return (y, w) if return_weights else y
 
     forward = __call__
 
-    def _prepare_input(self, x: Any) -> tuple[np.ndarray, bool]:
-        """x as a (B, T, d_in) array of the module's dtype; flag if it was (T, d_in)."""
+    def _prepare_input(self, x: Any, name: str, single: bool | None = None
+                       ) -> tuple[np.ndarray, bool]:
+        """x as a (B, T, d_in) array of the module's dtype; flag if it was (T, d_in).
+
+        ``single``, if given, is the query input's flag: keys and values must match it.
+        """
         if not isinstance(x, np.ndarray):
             x = np.asarray(x)
+            if x.dtype.kind in "iu":  # lists of numbers, as the functional API takes them
+                x = x.astype(self.dtype)
         if x.dtype not in FLOAT_DTYPES:
-            raise TypeError(f"x has dtype {x.dtype}; supported dtypes are {FLOAT_DTYPES_TEXT}")
-        if x.ndim not in (2, 3):
-            raise ValueError(
-                f"x must have shape (batch, tokens, d_in) or (tokens, d_in), got {x.shape}"
-            )
+            raise TypeError(f"{name} has dtype {x.dtype}; supported dtypes are "
+                            f"{FLOAT_DTYPES_TEXT}")
+        layout = "(batch, tokens, d_in)" if self.batch_first else "(tokens, batch, d_in)"
+        if x.ndim not in (2, 3) or (single is not None and (x.ndim == 2) != single):
+            raise ValueError(f"{name} must have shape {layout} or (tokens, d_in)"
+                             + ("" if single is None else " like x") + f", got {x.shape}")
         if x.shape[-1] != self.d_in:
-            raise ValueError(f"x must have d_in={self.d_in} features (last axis), got {x.shape}")
-        T = x.shape[-2]
+            raise ValueError(f"{name} must have d_in={self.d_in} features (last axis), "
+                             f"got {x.shape}")
+        is_single = x.ndim == 2
+        x = x[None] if is_single else (x if self.batch_first else x.swapaxes(0, 1))
+        T = x.shape[1]
         if T > self.context_length:
-            raise ValueError(
-                f"x has {T} tokens, more than context_length={self.context_length}"
-            )
-        single = x.ndim == 2
-        if single:
-            x = x[None]
-        return x.astype(self.dtype, copy=False), single
+            raise ValueError(self._context_message(f"{name} has {T} tokens"))
+        return x.astype(self.dtype, copy=False), is_single
+
+    def _context_message(self, what: str) -> str:
+        return (f"{what}, more than context_length={self.context_length}; make the module "
+                f"with a larger one: {type(self).__name__}(..., context_length=N) or "
+                f"from_torch(module, context_length=N)")
 
     @staticmethod
-    def _check_padding(key_padding_mask: Any, B: int, T: int) -> np.ndarray | None:
-        """(B, T) boolean, True = padding token (PyTorch's nn.MultiheadAttention convention)."""
+    def _check_padding(key_padding_mask: Any, B: int, S: int) -> np.ndarray | None:
+        """(B, S) boolean, True = padding key (PyTorch's nn.MultiheadAttention convention)."""
         if key_padding_mask is None:
             return None
         m = np.asarray(key_padding_mask)
@@ -201,11 +283,57 @@ class _AttentionModule:
             raise TypeError(f"key_padding_mask must be boolean (True = padding), got {m.dtype}")
         if m.ndim == 1 and B == 1:
             m = m[None]
-        if m.shape != (B, T):
+        if m.shape != (B, S):
             raise ValueError(
-                f"key_padding_mask must have shape (batch, new tokens) = {(B, T)}, got {m.shape}"
+                f"key_padding_mask must have shape (batch, keys) = {(B, S)}, got {m.shape}"
             )
         return m
+
+    def _call_mask(self, attn_mask: Any, pad: np.ndarray | None, B: int, T: int, S: int
+                   ) -> np.ndarray | None:
+        """attn_mask (nn.MultiheadAttention's convention) and key padding as one mask in the
+        kernels' convention (bool True = may attend, or float added), (B|1, H|1, T, S)."""
+        H = self.num_heads
+        m: np.ndarray | None = None
+        if attn_mask is not None:
+            a = np.asarray(attn_mask)
+            if a.dtype != np.bool_ and a.dtype.kind != "f":
+                raise TypeError(f"attn_mask must be boolean (True = may not attend) or float "
+                                f"(added to the scores), got {a.dtype}")
+            if a.ndim == 3 and a.shape[0] == B * H and a.shape[1:] == (T, S):
+                a = a.reshape(B, H, T, S)  # torch's (batch * heads, T, S)
+            elif a.ndim < 2 or a.ndim > 4 or a.shape[-2:] != (T, S) or \
+                    (a.ndim == 4 and a.shape[0] not in (1, B)) or \
+                    (a.ndim >= 3 and a.shape[-3] not in (1, H)):
+                raise ValueError(f"attn_mask must have shape (T, S) = {(T, S)}, "
+                                 f"(B * num_heads, T, S) = {(B * H, T, S)} or broadcast to "
+                                 f"(B, num_heads, T, S) = {(B, H, T, S)}; got {a.shape}")
+            m = ~a if a.dtype == np.bool_ else a.astype(self.dtype)
+            m = m.reshape((1,) * (4 - m.ndim) + m.shape)
+        if pad is not None and pad.any():
+            keep = ~pad[:, None, None, :]
+            if m is None:
+                m = keep
+            elif m.dtype == np.bool_:
+                m = m & keep
+            else:
+                m = m + np.where(keep, 0, -np.inf).astype(self.dtype)
+        return m
+
+    def _check_cache_call(self, cache: Any, attn_mask: Any, B: int, T: int) -> None:
+        if not isinstance(cache, KVCache):
+            raise TypeError(f"cache must be a KVCache from new_cache(), got {type(cache).__name__}")
+        if not self.causal:
+            raise ValueError("a KV cache serves causal modules; this one has causal=False")
+        if attn_mask is not None:
+            raise ValueError("attn_mask is not supported with a cache (use key_padding_mask "
+                             "for padding)")
+        kv_heads, head_dim = self._cache_geometry()
+        cache.check_compatible(batch=B, num_kv_heads=kv_heads, head_dim=head_dim,
+                               dtype=self.dtype, window=self.window, new_tokens=T)
+        if len(cache) + T > self.context_length:
+            raise ValueError(self._context_message(
+                f"the cache holds {len(cache)} tokens and x adds {T}"))
 
     def _dropout_for_call(self, training: bool) -> tuple[float, int]:
         """(p, seed) of this call's dropout stream: (0, 0) unless training with dropout."""
@@ -213,45 +341,80 @@ class _AttentionModule:
             return self.dropout, seed_value(self._rng)
         return 0.0, 0
 
-    def _attend(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, pad: np.ndarray | None,
+    def _attend(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | None,
                 step: CacheStep | None, *, heads: slice = slice(None), p: float, seed: int,
                 return_weights: bool, nt: int, out: np.ndarray | None = None) -> Any:
-        """Causal attention of q over k, v (and the cache): (B, H, T, D) arrays."""
+        """Attention of q over k, v (and the cache): (B, H, T, D) arrays."""
         scale = 1.0 / np.sqrt(q.shape[-1]) if self.scale is None else self.scale
         if step is not None:
             return step.attend(q, k, v, heads, scale=scale, num_threads=nt, out=out,
                                return_weights=return_weights, dropout_p=p, seed=seed)
-        mask = None if pad is None or not pad.any() else ~pad[:, None, None, :]
-        return _core.attention(q, k, v, mask=mask, causal_offset=0, window=self.window,
-                               scale=scale, dropout_p=p, seed=seed,
+        return _core.attention(q, k, v, mask=mask, causal_offset=0 if self.causal else None,
+                               window=self.window, scale=scale, dropout_p=p, seed=seed,
                                enable_gqa=q.shape[1] != k.shape[1],
                                return_weights=return_weights, num_threads=nt, out=out)
 
+    # -- save and load ------------------------------------------------------------------------
+    FORMAT_VERSION = 2
+
+    def _settings(self) -> dict[str, Any]:
+        """Constructor keywords that rebuild this module (weights aside)."""
+        return dict(d_in=self.d_in, d_out=self.d_out, context_length=self.context_length,
+                    dropout=self.dropout, qkv_bias=self.qkv_bias, causal=self.causal,
+                    window=self.window, rope_theta=self.rope_theta,
+                    batch_first=self.batch_first, dtype=self.dtype.name)
+
+    def _weights(self) -> dict[str, np.ndarray]:
+        """Every weight array by a stable name."""
+        raise NotImplementedError
+
+    def save(self, path: Any) -> None:
+        """Write the module to an ``.npz`` file: its weights and settings (JSON), no pickle."""
+        meta = {"format": self.FORMAT_VERSION, "module": type(self).__name__,
+                "settings": self._settings()}
+        # values typed Any: np.savez's stub would match a str-keyed **dict against its
+        # `allow_pickle: bool` parameter as well as against the arrays (**kwds)
+        arrays: dict[str, Any] = dict(self._weights())
+        arrays["manyheads_module"] = np.array(json.dumps(meta))
+        np.savez(path, **arrays)
+
+    @classmethod
+    def load(cls: type[_M], path: Any) -> _M:
+        """Read a module written by :meth:`save`; a wrong module, version or shape raises ValueError."""
+        with np.load(path, allow_pickle=False) as f:
+            if "manyheads_module" not in f.files:
+                if cls is MultiHeadAttention and "meta" in f.files:
+                    return cast(_M, MultiHeadAttention._load_v1(path, f))
+                raise ValueError(f"{path}: not a manyheads module file")
+            meta = json.loads(str(f["manyheads_module"]))
+            if meta.get("format") != cls.FORMAT_VERSION:
+                raise ValueError(f"{path}: format version {meta.get('format')} is not "
+                                 f"{cls.FORMAT_VERSION}")
+            if meta.get("module") != cls.__name__:
+                raise ValueError(f"{path} holds a {meta.get('module')}, not a {cls.__name__}: "
+                                 f"load it with {meta.get('module')}.load")
+            m = cast(_M, cast(Any, cls)(**meta["settings"], seed=0))
+            for name, target in m._weights().items():
+                if name not in f.files or f[name].shape != target.shape:
+                    raise ValueError(f"{path}: {name} is missing or has the wrong shape "
+                                     f"(expected {target.shape})")
+                target[...] = f[name]
+        return m
+
+
+_M = TypeVar("_M", bound=_AttentionModule)
+
 
 class CausalAttention(_AttentionModule):
-    """One head of causal self-attention (the book's ``CausalAttention``).
+    __doc__ = """One head of (by default causal) self-attention: the book's ``CausalAttention``.
 
     Parameters
     ----------
     d_in : int
         Input features per token.
-    d_out : int
-        Width of this head's queries, keys, values and output.
-    context_length : int
-        Longest sequence the module accepts.
-    dropout : float
-        Dropout on the attention weights when called with ``training=True``.
-    qkv_bias : bool
-        Whether the query, key and value projections have biases.
-    window : int, optional, keyword-only
-        Sliding window: each query sees its ``window`` most recent keys.
-    rope_theta : float, optional, keyword-only
-        Rotary position embeddings on queries and keys with this base
-        (Hugging Face's ``rotate_half`` convention); positions continue from
-        the cache's length.  None (the default): no rotary embeddings.
-    dtype : float32 or float64, keyword-only
-    seed : int, numpy Generator or None, keyword-only
-        Seeds the weight initialisation and the dropout stream.
+    d_out : int, optional
+        Width of this head's queries, keys, values and output (default: d_in).""" + \
+        _SHARED_PARAMETERS + """
 
     Attributes
     ----------
@@ -259,11 +422,12 @@ class CausalAttention(_AttentionModule):
     b_query, b_key, b_value : ndarray, shape (d_out,), or None
     """
 
-    def __init__(self, d_in: int, d_out: int, context_length: int, dropout: float = 0.0,
-                 qkv_bias: bool = False, *, window: int | None = None,
-                 rope_theta: float | None = None, dtype: Any = np.float32,
-                 seed: Any = None) -> None:
-        self._init_common(d_in, d_out, context_length, dropout, qkv_bias, window, dtype, seed)
+    def __init__(self, d_in: int, d_out: int | None = None, context_length: int = 1024,
+                 dropout: float = 0.0, qkv_bias: bool = False, *, causal: bool = True,
+                 window: int | None = None, rope_theta: float | None = None,
+                 batch_first: bool = True, dtype: Any = np.float32, seed: Any = None) -> None:
+        self._init_common(d_in, d_out, context_length, dropout, qkv_bias, causal=causal,
+                          window=window, batch_first=batch_first, dtype=dtype, seed=seed)
         self._init_rope(rope_theta, self.d_out)
         rng, shape = self._rng, (self.d_in, self.d_out)
         self.W_query = _linear_init(rng, self.d_in, shape, self.dtype)
@@ -280,38 +444,46 @@ class CausalAttention(_AttentionModule):
     def __repr__(self) -> str:
         return (f"CausalAttention(d_in={self.d_in}, d_out={self.d_out}, "
                 f"context_length={self.context_length}, dropout={self.dropout}, "
-                f"qkv_bias={self.qkv_bias}, dtype={self.dtype.name})")
+                f"qkv_bias={self.qkv_bias}{self._options_repr()})")
 
     def _cache_geometry(self) -> tuple[int, int]:
         return 1, self.d_out
 
+    def _weights(self) -> dict[str, np.ndarray]:
+        names = ("W_query", "W_key", "W_value") + (("b_query", "b_key", "b_value")
+                                                   if self.qkv_bias else ())
+        return {n: getattr(self, n) for n in names}
+
     def _project(self, x: np.ndarray, W: np.ndarray, b: np.ndarray | None, nt: int
                  ) -> np.ndarray:
         return _core.linear(x, W.astype(self.dtype, copy=False),
-                            None if b is None else b.astype(self.dtype, copy=False), nt)
+                            None if b is None else b.astype(self.dtype, copy=False), nt)[:, None]
 
-    def _head_forward(self, xb: np.ndarray, pad: np.ndarray | None, step: CacheStep | None,
-                      heads: slice, training: bool, return_weights: bool, nt: int) -> Any:
+    def _head_forward(self, xq: np.ndarray, kv_in: tuple[np.ndarray, np.ndarray] | None,
+                      mask: np.ndarray | None, step: CacheStep | None, heads: slice,
+                      training: bool, return_weights: bool, nt: int) -> Any:
         """(B, 1, T, d_out) context (and (B, 1, T, S) weights) of this head."""
         p, seed = self._dropout_for_call(training)
-        q = self._project(xb, self.W_query, self.b_query, nt)[:, None]
-        k = self._project(xb, self.W_key, self.b_key, nt)[:, None]
-        v = self._project(xb, self.W_value, self.b_value, nt)[:, None]
+        kb, vb = (xq, xq) if kv_in is None else kv_in
+        q = self._project(xq, self.W_query, self.b_query, nt)
+        k = self._project(kb, self.W_key, self.b_key, nt)
+        v = self._project(vb, self.W_value, self.b_value, nt)
         self._rotate(q, k, step)
-        return self._attend(q, k, v, pad, step, heads=heads, p=p, seed=seed,
+        return self._attend(q, k, v, mask, step, heads=heads, p=p, seed=seed,
                             return_weights=return_weights, nt=nt)
 
-    def _forward(self, xb: np.ndarray, pad: np.ndarray | None, step: CacheStep | None,
-                 training: bool, return_weights: bool,
-                 nt: int) -> tuple[np.ndarray, np.ndarray | None]:
-        res = self._head_forward(xb, pad, step, slice(None), training, return_weights, nt)
+    def _forward(self, xq: np.ndarray, kv_in: tuple[np.ndarray, np.ndarray] | None,
+                 mask: np.ndarray | None, step: CacheStep | None, training: bool,
+                 return_weights: bool, nt: int) -> tuple[np.ndarray, np.ndarray | None]:
+        res = self._head_forward(xq, kv_in, mask, step, slice(None), training, return_weights,
+                                 nt)
         if return_weights:
             return res[0][:, 0], res[1][:, 0]
         return res[:, 0], None
 
 
 class StackedMultiHeadAttention(_AttentionModule):
-    """Multi-head attention as independent single-head modules run side by side.
+    __doc__ = """Multi-head attention as independent single-head modules run side by side.
 
     Each of the ``num_heads`` heads is a :class:`CausalAttention` with its own
     query, key and value weights and ``head_dim = d_out // num_heads`` columns.
@@ -320,6 +492,17 @@ class StackedMultiHeadAttention(_AttentionModule):
     unless ``out_proj=False`` (which gives the book's ``MultiHeadAttentionWrapper``
     with per-head width ``d_out // num_heads``).
 
+    Parameters
+    ----------
+    d_in : int
+        Input features per token.
+    d_out : int, optional
+        Total width, every head's columns side by side (default: d_in).
+    num_heads : int
+        Required; ``d_out`` must be a multiple.""" + _SHARED_PARAMETERS + """
+    out_proj : bool, keyword-only
+        Whether Z passes through the output projection (default True).
+
     Attributes
     ----------
     heads : list of CausalAttention
@@ -327,18 +510,20 @@ class StackedMultiHeadAttention(_AttentionModule):
     b_out : ndarray (d_out,) or None
     """
 
-    def __init__(self, d_in: int, d_out: int, context_length: int, dropout: float,
-                 num_heads: int, qkv_bias: bool = False, *, out_proj: bool = True,
-                 window: int | None = None, rope_theta: float | None = None,
+    def __init__(self, d_in: int, d_out: int | None = None, context_length: int = 1024,
+                 dropout: float = 0.0, num_heads: int | None = None, qkv_bias: bool = False, *,
+                 out_proj: bool = True, causal: bool = True, window: int | None = None,
+                 rope_theta: float | None = None, batch_first: bool = True,
                  dtype: Any = np.float32, seed: Any = None) -> None:
-        self._init_common(d_in, d_out, context_length, dropout, qkv_bias, window, dtype, seed)
+        self._init_common(d_in, d_out, context_length, dropout, qkv_bias, causal=causal,
+                          window=window, batch_first=batch_first, dtype=dtype, seed=seed)
         self._init_heads(num_heads)
         self._init_rope(rope_theta, self.head_dim)
         rng = self._rng
         self.heads = [
             CausalAttention(self.d_in, self.head_dim, self.context_length, self.dropout,
-                            self.qkv_bias, window=self.window, rope_theta=self.rope_theta,
-                            dtype=self.dtype, seed=rng)
+                            self.qkv_bias, causal=self.causal, window=self.window,
+                            rope_theta=self.rope_theta, dtype=self.dtype, seed=rng)
             for _ in range(self.num_heads)
         ]
         self.W_out: np.ndarray | None = None
@@ -351,17 +536,31 @@ class StackedMultiHeadAttention(_AttentionModule):
         return (f"StackedMultiHeadAttention(d_in={self.d_in}, d_out={self.d_out}, "
                 f"context_length={self.context_length}, dropout={self.dropout}, "
                 f"num_heads={self.num_heads}, qkv_bias={self.qkv_bias}, "
-                f"out_proj={self.W_out is not None}, dtype={self.dtype.name})")
+                f"out_proj={self.W_out is not None}{self._options_repr()})")
 
     def _cache_geometry(self) -> tuple[int, int]:
         return self.num_heads, self.head_dim
 
-    def _forward(self, xb: np.ndarray, pad: np.ndarray | None, step: CacheStep | None,
-                 training: bool, return_weights: bool,
-                 nt: int) -> tuple[np.ndarray, np.ndarray | None]:
+    def _settings(self) -> dict[str, Any]:
+        return dict(super()._settings(), num_heads=self.num_heads,
+                    out_proj=self.W_out is not None)
+
+    def _weights(self) -> dict[str, np.ndarray]:
+        arrays = {f"heads.{h}.{n}": a for h, head in enumerate(self.heads)
+                  for n, a in head._weights().items()}
+        if self.W_out is not None and self.b_out is not None:
+            arrays.update(W_out=self.W_out, b_out=self.b_out)
+        return arrays
+
+    def _forward(self, xq: np.ndarray, kv_in: tuple[np.ndarray, np.ndarray] | None,
+                 mask: np.ndarray | None, step: CacheStep | None, training: bool,
+                 return_weights: bool, nt: int) -> tuple[np.ndarray, np.ndarray | None]:
+        def head_mask(h: int) -> np.ndarray | None:
+            return mask if mask is None or mask.shape[1] == 1 else mask[:, h:h + 1]
+
         # each head draws its own dropout stream, as independent modules would
-        results = [head._head_forward(xb, pad, step, slice(h, h + 1), training, return_weights,
-                                      nt) for h, head in enumerate(self.heads)]
+        results = [head._head_forward(xq, kv_in, head_mask(h), step, slice(h, h + 1), training,
+                                      return_weights, nt) for h, head in enumerate(self.heads)]
         w = None
         if return_weights:
             Z = np.concatenate([r[0][:, 0] for r in results], axis=-1)
@@ -385,18 +584,19 @@ class StackedMultiHeadAttention(_AttentionModule):
             b_q=packed("b_query", 0), b_k=packed("b_key", 0), b_v=packed("b_value", 0),
             W_out=None if self.W_out is None else self.W_out.copy(),
             b_out=None if self.b_out is None else self.b_out.copy(),
-            scale=None, dropout=self.dropout, rope_theta=self.rope_theta)
+            scale=None, dropout=self.dropout, rope_theta=self.rope_theta, causal=self.causal)
 
     @classmethod
-    def from_weights(cls, w: FusedWeights, context_length: int, *, window: int | None = None,
+    def from_weights(cls, w: FusedWeights, context_length: int = 1024, *,
+                     window: int | None = None, batch_first: bool = True,
                      dtype: Any = np.float32) -> "StackedMultiHeadAttention":
         """A stack whose head h gets columns h*D..(h+1)*D of the packed weights (copied)."""
         if w.scale is not None and not np.isclose(w.scale, (w.d_out // w.num_heads) ** -0.5):
             raise ValueError("a stack of heads uses the scale 1/sqrt(head_dim); use a fused "
                              "MultiHeadAttention for this module")
         st = cls(w.d_in, w.d_out, context_length, w.dropout, w.num_heads, w.b_q is not None,
-                 out_proj=w.W_out is not None, window=window, rope_theta=w.rope_theta,
-                 dtype=dtype, seed=0)
+                 out_proj=w.W_out is not None, causal=w.causal, window=window,
+                 rope_theta=w.rope_theta, batch_first=batch_first, dtype=dtype, seed=0)
         for h, head in enumerate(st.heads):
             c = _head_columns(h, st.head_dim)
             head.W_query[...], head.W_key[...], head.W_value[...] = w.W_q[:, c], w.W_k[:, c], w.W_v[:, c]
@@ -410,16 +610,16 @@ class StackedMultiHeadAttention(_AttentionModule):
         return st
 
     @classmethod
-    def from_torch(cls, module: Any, *, context_length: int | None = None,
+    def from_torch(cls, module: Any, *, causal: bool | None = None,
+                   context_length: int | None = None,
                    dtype: Any = np.float32) -> "StackedMultiHeadAttention":
         """A stack of heads with the weights of a PyTorch attention module.
 
-        Same sources as :meth:`MultiHeadAttention.from_torch`; the book's
-        wrapper becomes a stack without output projection.
+        Same sources and arguments as :meth:`MultiHeadAttention.from_torch`;
+        the book's wrapper becomes a stack without output projection.
         """
-        w = interop.fused_weights(module, dtype)
-        return cls.from_weights(w, context_length or interop.context_length_of(module),
-                                dtype=dtype)
+        w, ctx, batch_first = interop.import_module(module, causal=causal, dtype=dtype)
+        return cls.from_weights(w, context_length or ctx, batch_first=batch_first, dtype=dtype)
 
     def to_fused(self) -> "MultiHeadAttention":
         """A :class:`MultiHeadAttention` with the same weights (copied) and outputs.
@@ -428,7 +628,8 @@ class StackedMultiHeadAttention(_AttentionModule):
         projection is the identity.
         """
         return MultiHeadAttention.from_weights(self.to_weights(), self.context_length,
-                                               window=self.window, dtype=self.dtype)
+                                               window=self.window, batch_first=self.batch_first,
+                                               dtype=self.dtype)
 
 
 class _PackedWeight:
@@ -457,33 +658,30 @@ class _PackedBias:
 
 
 class MultiHeadAttention(_AttentionModule):
-    """Fused multi-head causal self-attention (the book's ``MultiHeadAttention``).
+    __doc__ = """Fused multi-head attention (the book's ``MultiHeadAttention``), causal by default.
 
     All heads' query, key and value weights live in one packed buffer
     ``W_qkv`` of shape (d_in, d_out + 2 * kv_dim); ``W_query``, ``W_key`` and
     ``W_value`` are views into it, so writing into them updates the module.
     One matrix product projects every head, one kernel call attends every
     head (reading Q, K, V as strided views of the projection and writing the
-    merged-heads layout), and the output projection follows.
+    merged-heads layout), and the output projection follows.  With separate
+    key and value inputs (cross-attention) the three projections run apart.
 
     Parameters
     ----------
-    d_in, d_out, context_length, dropout, num_heads, qkv_bias
-        As in the book; ``d_out`` is the total width, ``head_dim = d_out // num_heads``.
+    d_in : int
+        Input features per token.
+    d_out : int, optional
+        Total width (default: d_in); ``head_dim = d_out // num_heads``.
+    num_heads : int
+        Required; ``d_out`` must be a multiple.""" + _SHARED_PARAMETERS + """
     num_kv_heads : int, optional, keyword-only
         Grouped-query attention: ``num_heads`` must be a multiple; query head
         ``h`` uses key/value head ``h // (num_heads // num_kv_heads)``.
         Defaults to ``num_heads``.
-    window : int, optional, keyword-only
-        Sliding window: each query sees its ``window`` most recent keys.
     scale : float, optional, keyword-only
         Multiplies the query-key products; defaults to ``1 / sqrt(head_dim)``.
-    rope_theta : float, optional, keyword-only
-        Rotary position embeddings on queries and keys with this base
-        (Hugging Face's ``rotate_half`` convention, as in Llama and Qwen2);
-        positions continue from the cache's length, and keys are cached
-        rotated.  None (the default): no rotary embeddings.
-    dtype, seed : keyword-only
 
     Attributes
     ----------
@@ -501,12 +699,14 @@ class MultiHeadAttention(_AttentionModule):
     b_key = _PackedBias(1)
     b_value = _PackedBias(2)
 
-    def __init__(self, d_in: int, d_out: int, context_length: int, dropout: float,
-                 num_heads: int, qkv_bias: bool = False, *, num_kv_heads: int | None = None,
+    def __init__(self, d_in: int, d_out: int | None = None, context_length: int = 1024,
+                 dropout: float = 0.0, num_heads: int | None = None, qkv_bias: bool = False, *,
+                 num_kv_heads: int | None = None, causal: bool = True,
                  window: int | None = None, scale: float | None = None,
-                 rope_theta: float | None = None, dtype: Any = np.float32,
-                 seed: Any = None) -> None:
-        self._init_common(d_in, d_out, context_length, dropout, qkv_bias, window, dtype, seed)
+                 rope_theta: float | None = None, batch_first: bool = True,
+                 dtype: Any = np.float32, seed: Any = None) -> None:
+        self._init_common(d_in, d_out, context_length, dropout, qkv_bias, causal=causal,
+                          window=window, batch_first=batch_first, dtype=dtype, seed=seed)
         self._init_heads(num_heads)
         self._init_rope(rope_theta, self.head_dim)
         self.scale = check_optional_real(scale, "scale")
@@ -537,31 +737,47 @@ class MultiHeadAttention(_AttentionModule):
 
     def __repr__(self) -> str:
         kv = f", num_kv_heads={self.num_kv_heads}" if self.num_kv_heads != self.num_heads else ""
-        kv += f", window={self.window}" if self.window is not None else ""
-        kv += f", rope_theta={self.rope_theta:g}" if self.rope_theta is not None else ""
         return (f"MultiHeadAttention(d_in={self.d_in}, d_out={self.d_out}, "
                 f"context_length={self.context_length}, dropout={self.dropout}, "
-                f"num_heads={self.num_heads}, qkv_bias={self.qkv_bias}{kv}, "
-                f"dtype={self.dtype.name})")
+                f"num_heads={self.num_heads}, qkv_bias={self.qkv_bias}{kv}"
+                f"{self._options_repr()})")
 
     def _cache_geometry(self) -> tuple[int, int]:
         return self.num_kv_heads, self.head_dim
 
-    def _forward(self, xb: np.ndarray, pad: np.ndarray | None, step: CacheStep | None,
-                 training: bool, return_weights: bool,
-                 nt: int) -> tuple[np.ndarray, np.ndarray | None]:
-        B, T, _ = xb.shape
+    def _settings(self) -> dict[str, Any]:
+        return dict(super()._settings(), num_heads=self.num_heads,
+                    num_kv_heads=self.num_kv_heads, scale=self.scale)
+
+    def _weights(self) -> dict[str, np.ndarray]:
+        arrays = {"W_qkv": self.W_qkv, "W_out": self.W_out, "b_out": self.b_out}
+        if self.b_qkv is not None:
+            arrays["b_qkv"] = self.b_qkv
+        return arrays
+
+    def _forward(self, xq: np.ndarray, kv_in: tuple[np.ndarray, np.ndarray] | None,
+                 mask: np.ndarray | None, step: CacheStep | None, training: bool,
+                 return_weights: bool, nt: int) -> tuple[np.ndarray, np.ndarray | None]:
+        B, T, _ = xq.shape
         H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
         p, seed = self._dropout_for_call(training)
-        # one GEMM projects every head: (B, T, d_out + 2 kv_dim)
-        qkv = _core.linear(xb, self.W_qkv, self.b_qkv, nt)
+        if kv_in is None:
+            # one GEMM projects every head: (B, T, d_out + 2 kv_dim)
+            qkv = _core.linear(xq, self.W_qkv, self.b_qkv, nt)
+            q_all, k_all, v_all = (qkv[..., self._cols(i)] for i in range(3))
+        else:  # cross-attention: queries from x, keys and values from their own inputs
+            q_all, k_all, v_all = (_core.linear(inp, self.W_qkv[:, self._cols(i)],
+                                                None if self.b_qkv is None
+                                                else self.b_qkv[self._cols(i)], nt)
+                                   for i, inp in enumerate((xq,) + kv_in))
+        S = k_all.shape[1]
         # strided (B, heads, T, D) views of the packed projection: no copies
-        q = qkv[..., self._cols(0)].reshape(B, T, H, D).transpose(0, 2, 1, 3)
-        k = qkv[..., self._cols(1)].reshape(B, T, Hkv, D).transpose(0, 2, 1, 3)
-        v = qkv[..., self._cols(2)].reshape(B, T, Hkv, D).transpose(0, 2, 1, 3)
+        q = q_all.reshape(B, T, H, D).transpose(0, 2, 1, 3)
+        k = k_all.reshape(B, S, Hkv, D).transpose(0, 2, 1, 3)
+        v = v_all.reshape(B, S, Hkv, D).transpose(0, 2, 1, 3)
         self._rotate(q, k, step)
         merged = np.empty((B, T, H * D), dtype=self.dtype)  # the kernel writes heads merged
-        res = self._attend(q, k, v, pad, step, p=p, seed=seed, return_weights=return_weights,
+        res = self._attend(q, k, v, mask, step, p=p, seed=seed, return_weights=return_weights,
                            nt=nt, out=merged.reshape(B, T, H, D).transpose(0, 2, 1, 3))
         y = _core.linear(merged, self.W_out, self.b_out, nt)
         return y, (res[1] if return_weights else None)
@@ -577,14 +793,16 @@ class MultiHeadAttention(_AttentionModule):
                             W_q=self.W_query.copy(), W_k=self.W_key.copy(),
                             W_v=self.W_value.copy(), b_q=bias[0], b_k=bias[1], b_v=bias[2],
                             W_out=self.W_out.copy(), b_out=self.b_out.copy(), scale=self.scale,
-                            dropout=self.dropout, rope_theta=self.rope_theta)
+                            dropout=self.dropout, rope_theta=self.rope_theta, causal=self.causal)
 
     @classmethod
-    def from_weights(cls, w: FusedWeights, context_length: int, *, window: int | None = None,
+    def from_weights(cls, w: FusedWeights, context_length: int = 1024, *,
+                     window: int | None = None, batch_first: bool = True,
                      dtype: Any = np.float32) -> "MultiHeadAttention":
         """A fused module with these weights (copied); no output projection becomes the identity."""
         m = cls(w.d_in, w.d_out, context_length, w.dropout, w.num_heads, w.b_q is not None,
-                window=window, scale=w.scale, rope_theta=w.rope_theta, dtype=dtype, seed=0)
+                causal=w.causal, window=window, scale=w.scale, rope_theta=w.rope_theta,
+                batch_first=batch_first, dtype=dtype, seed=0)
         m.W_query, m.W_key, m.W_value = w.W_q, w.W_k, w.W_v
         if m.b_qkv is not None:
             assert w.b_q is not None and w.b_k is not None and w.b_v is not None
@@ -594,19 +812,32 @@ class MultiHeadAttention(_AttentionModule):
         return m
 
     @classmethod
-    def from_torch(cls, module: Any, *, context_length: int | None = None,
+    def from_torch(cls, module: Any, *, causal: bool | None = None,
+                   context_length: int | None = None,
                    dtype: Any = np.float32) -> "MultiHeadAttention":
         """A fused module with the weights of a PyTorch attention module.
 
-        Accepts ``torch.nn.MultiheadAttention``, the book's fused
-        ``MultiHeadAttention``, the book's ``MultiHeadAttentionWrapper`` (its
-        heads become the fused heads; the output projection is the identity)
-        and Hugging Face GPT-2 attention.  Anything else raises TypeError.
-        Its causal output equals the source module's.
+        Parameters
+        ----------
+        module : torch module
+            ``torch.nn.MultiheadAttention``, the book's fused ``MultiHeadAttention``,
+            the book's ``MultiHeadAttentionWrapper`` (its heads become the fused
+            heads; the output projection is the identity) or Hugging Face GPT-2
+            attention.  Anything else raises TypeError.
+        causal : bool
+            Required for ``nn.MultiheadAttention``, which does not record it
+            (its mask comes at call time): True for a decoder, False for an
+            encoder.  The book's modules and GPT-2 are causal by construction.
+        context_length : int, optional
+            Defaults to the source's (the book's mask buffer, GPT-2's
+            ``n_positions``), else 1024.
+        dtype : float32 or float64
+
+        A ``batch_first=False`` source gives a module that also takes and
+        returns (T, B, d).  The imported module's output equals the source's.
         """
-        w = interop.fused_weights(module, dtype)
-        return cls.from_weights(w, context_length or interop.context_length_of(module),
-                                dtype=dtype)
+        w, ctx, batch_first = interop.import_module(module, causal=causal, dtype=dtype)
+        return cls.from_weights(w, context_length or ctx, batch_first=batch_first, dtype=dtype)
 
     def to_stacked(self) -> StackedMultiHeadAttention:
         """A :class:`StackedMultiHeadAttention` with the same weights (copied) and outputs."""
@@ -619,51 +850,25 @@ class MultiHeadAttention(_AttentionModule):
             raise ValueError("to_stacked() needs the default scale 1/sqrt(head_dim)")
         w = self.to_weights()
         w.scale = None
-        return StackedMultiHeadAttention.from_weights(w, self.context_length,
-                                                      window=self.window, dtype=self.dtype)
+        return StackedMultiHeadAttention.from_weights(w, self.context_length, window=self.window,
+                                                      batch_first=self.batch_first,
+                                                      dtype=self.dtype)
 
-    FORMAT_VERSION = 1
-
-    def save(self, path: Any) -> None:
-        """Write the module to an ``.npz`` file (arrays and a format version; no pickle)."""
-        meta = np.array([self.FORMAT_VERSION, self.d_in, self.d_out, self.context_length,
-                         self.num_heads, self.num_kv_heads, -1 if self.window is None
-                         else self.window], dtype=np.int64)
-        # values typed Any: np.savez's stub would match a str-keyed **dict against its
-        # `allow_pickle: bool` parameter as well as against the arrays (**kwds)
-        arrays: dict[str, Any] = {
-            "meta": meta, "dropout": np.array(self.dropout),
-            "scale": np.array(np.nan if self.scale is None else self.scale),
-            "rope_theta": np.array(np.nan if self.rope_theta is None else self.rope_theta),
-            "W_qkv": self.W_qkv, "W_out": self.W_out, "b_out": self.b_out}
-        if self.b_qkv is not None:
-            arrays["b_qkv"] = self.b_qkv
-        np.savez(path, **arrays)
-
-    @classmethod
-    def load(cls, path: Any) -> "MultiHeadAttention":
-        """Read a module written by :meth:`save`; a wrong version or shape raises ValueError."""
-        with np.load(path, allow_pickle=False) as f:
-            files = set(f.files)
-            for name in ("meta", "dropout", "scale", "W_qkv", "W_out", "b_out"):
-                if name not in files:
-                    raise ValueError(f"{path}: not a manyheads module file (no {name!r})")
-            meta = f["meta"]
-            if meta.shape != (7,) or int(meta[0]) != cls.FORMAT_VERSION:
-                raise ValueError(f"{path}: format version {meta[:1].tolist()} is not "
-                                 f"{cls.FORMAT_VERSION}")
-            _, d_in, d_out, ctx, H, Hkv, window = (int(x) for x in meta)
-            scale = float(f["scale"])
-            theta = float(f["rope_theta"]) if "rope_theta" in files else np.nan
-            W_qkv = f["W_qkv"]
-            m = cls(d_in, d_out, ctx, float(f["dropout"]), H, "b_qkv" in files, num_kv_heads=Hkv,
-                    window=None if window < 0 else window,
-                    scale=None if np.isnan(scale) else scale,
-                    rope_theta=None if np.isnan(theta) else theta, dtype=W_qkv.dtype, seed=0)
-            for name in ("W_qkv", "W_out", "b_out") + (("b_qkv",) if "b_qkv" in files else ()):
-                arr, target = f[name], getattr(m, name)
-                if arr.shape != target.shape:
-                    raise ValueError(f"{path}: {name} has shape {arr.shape}, expected "
-                                     f"{target.shape}")
-                target[...] = arr
+    @staticmethod
+    def _load_v1(path: Any, f: Any) -> "MultiHeadAttention":
+        """A fused module from the first file format (an int64 meta array)."""
+        meta = f["meta"]
+        if meta.shape != (7,) or int(meta[0]) != 1:
+            raise ValueError(f"{path}: format version {meta[:1].tolist()} is not understood")
+        _, d_in, d_out, ctx, H, Hkv, window = (int(x) for x in meta)
+        scale = float(f["scale"])
+        m = MultiHeadAttention(d_in, d_out, ctx, float(f["dropout"]), H, "b_qkv" in f.files,
+                               num_kv_heads=Hkv, window=None if window < 0 else window,
+                               scale=None if np.isnan(scale) else scale,
+                               dtype=f["W_qkv"].dtype, seed=0)
+        for name, target in m._weights().items():
+            if f[name].shape != target.shape:
+                raise ValueError(f"{path}: {name} has shape {f[name].shape}, expected "
+                                 f"{target.shape}")
+            target[...] = f[name]
         return m

@@ -82,8 +82,8 @@ def _require_matplotlib() -> Any:
             matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        raise ImportError("drawing attention needs matplotlib: pip install 'manyheads[plot]'"
-                          ) from None
+        raise ImportError("drawing attention needs matplotlib: pip install 'manyheads[plot]' "
+                          "(in a source checkout: pip install '.[plot]')") from None
     return plt
 
 
