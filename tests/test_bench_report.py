@@ -92,7 +92,8 @@ def made_up_results():
                "max_abs_diff": {"onnxruntime": 3e-7, "openvino": 2e-7}, "notes": {},
                "paths": {}}]
     return {
-        "config": {"version": "0.1.0", "kernel_isa": "avx2"}, "threads": 2,
+        "config": {"version": "0.1.0", "kernel_isa": "avx2"}, "threads": 2, "cpu_count": 2,
+        "load_average": {"start": 0.25, "end": 1.5},
         "torch": "2.13.0+cpu",
         "peers": {"torch": "2.13.0+cpu", "onnxruntime": "1.32.0", "openvino": "2026.4.1"},
         "sgemm_gflops": 100.0, "kernel": kernel,
@@ -114,6 +115,7 @@ def test_report_has_time_and_ratio_columns_for_every_peer():
     assert "| — | — | — | — |" in row64
     assert "Not timed: ONNX Runtime GQA at T=1024 D=64 float64: float32 only here." in text
     assert "largest |peer − manyheads|" in text
+    assert "load average 0.25 at the start, 1.50 at the end, on 2 logical CPUs" in text
     decode_row = next(line for line in text.splitlines() if line.startswith("| 1024 | 100 |"))
     assert "| 150 | 1.50× | 400 | 4.00× |" in decode_row
     for line in text.splitlines():  # every table row has as many cells as its header

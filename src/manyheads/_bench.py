@@ -79,6 +79,14 @@ def default_out_dir() -> str:
     return os.path.join(base, "manyheads", "bench")
 
 
+def _load_average() -> float | None:
+    """The 1-minute load average (None where the OS has none): how busy the machine was."""
+    try:
+        return float(os.getloadavg()[0])
+    except (AttributeError, OSError):
+        return None
+
+
 def _check(name: str, out: Any, ref: np.ndarray, dtype: str, row_diff: dict[str, float],
            notes: dict[str, str]) -> bool:
     """Record ``name``'s largest difference from manyheads' output; True when it is small."""
@@ -418,6 +426,8 @@ def run(quick: bool = False, out_dir: str | None = None, repeats: int = 7,
         "torch": None if torch is None else torch.__version__,
         "peers": versions,
         "threads": threads,
+        "cpu_count": os.cpu_count(),
+        "load_average": {"start": _load_average()},
     }
     results["sgemm_gflops"] = sgemm_gflops()
     time.sleep(0.5)
@@ -445,6 +455,7 @@ def run(quick: bool = False, out_dir: str | None = None, repeats: int = 7,
                                      (1024, 4096) if quick else (1024, 4096, 16384),
                                      peers=others)
     bar.step("decode q_len=1")
+    results["load_average"]["end"] = _load_average()
     text = format_markdown(results)
     if out_dir:
         os.makedirs(out_dir, exist_ok=True)
@@ -493,6 +504,15 @@ def _notes_and_checks(rows: list[dict[str, Any]], names: list[str]) -> list[str]
     return lines
 
 
+def _load_line(r: dict[str, Any]) -> list[str]:
+    """How busy the machine was: other processes on the cores slow every contender."""
+    load = r.get("load_average") or {}
+    if load.get("start") is None or load.get("end") is None:
+        return []
+    return [f"1-minute load average {load['start']:.2f} at the start, {load['end']:.2f} at the "
+            f"end, on {r.get('cpu_count') or '?'} logical CPUs (this run's own work included)."]
+
+
 def format_markdown(r: dict[str, Any]) -> str:
     sg = r["sgemm_gflops"]
     cfg = r["config"]
@@ -506,6 +526,7 @@ def format_markdown(r: dict[str, Any]) -> str:
         + (f" ({', '.join(absent)} not installed)" if absent else "")
         + f". SGEMM (NumPy float32 2048²) {sg:.0f} GFLOP/s at the start (each row's % uses "
         "the SGEMM rate measured just before that row).",
+        *_load_line(r),
         "Causal attention (prefill), B=1, H=12; medians; X / mh = X's time ÷ manyheads' time "
         "(above 1: manyheads is faster); useful work counted as 2·B·H·T²·D flops.",
         "",
