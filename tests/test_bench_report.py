@@ -97,6 +97,7 @@ def made_up_results():
         "torch": "2.13.0+cpu",
         "peers": {"torch": "2.13.0+cpu", "onnxruntime": "1.32.0", "openvino": "2026.4.1"},
         "sgemm_gflops": 100.0, "kernel": kernel,
+        "numpy_blas": {"internal_api": "openblas", "version": "0.3.31", "architecture": "Zen"},
         "module": {"fused": 300.0, "stacked": 400.0, "oracle": 900.0},
         "bandwidth_gbs": {"max": 20.0, "sum": 10.0}, "decode": decode,
     }
@@ -115,6 +116,7 @@ def test_report_has_time_and_ratio_columns_for_every_peer():
     assert "| — | — | — | — |" in row64
     assert "Not timed: ONNX Runtime GQA at T=1024 D=64 float64: float32 only here." in text
     assert "largest |peer − manyheads|" in text
+    assert "openblas 0.3.31, Zen kernels" in text
     assert "load average 0.25 at the start, 1.50 at the end, on 2 logical CPUs" in text
     decode_row = next(line for line in text.splitlines() if line.startswith("| 1024 | 100 |"))
     assert "| 150 | 1.50× | 400 | 4.00× |" in decode_row

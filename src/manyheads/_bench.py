@@ -79,6 +79,26 @@ def default_out_dir() -> str:
     return os.path.join(base, "manyheads", "bench")
 
 
+def numpy_blas() -> dict[str, str]:
+    """NumPy's BLAS, its version and the kernel family it runs (threadpoolctl), for the record.
+
+    The SGEMM ceiling is only as good as that kernel: an OpenBLAS pinned to an
+    older core type (``OPENBLAS_CORETYPE``) gives a lower ceiling.
+    """
+    try:
+        import threadpoolctl  # type: ignore[import-untyped]
+
+        infos = threadpoolctl.threadpool_info()
+    except Exception:  # threadpoolctl missing or unable to inspect the process
+        return {}
+    np_dir = os.path.dirname(os.path.dirname(np.__file__))
+    blas = [i for i in infos if i.get("user_api") == "blas"]
+    blas.sort(key=lambda i: not str(i.get("filepath", "")).startswith(np_dir))
+    if not blas:
+        return {}
+    return {k: str(blas[0].get(k)) for k in ("internal_api", "version", "architecture")}
+
+
 def _load_average() -> float | None:
     """The 1-minute load average (None where the OS has none): how busy the machine was."""
     try:
@@ -430,6 +450,7 @@ def run(quick: bool = False, out_dir: str | None = None, repeats: int = 7,
         "load_average": {"start": _load_average()},
     }
     results["sgemm_gflops"] = sgemm_gflops()
+    results["numpy_blas"] = numpy_blas()
     time.sleep(0.5)
     bar.step("SGEMM 2048x2048")
     rows = []
@@ -504,6 +525,13 @@ def _notes_and_checks(rows: list[dict[str, Any]], names: list[str]) -> list[str]
     return lines
 
 
+def _blas_text(r: dict[str, Any]) -> str:
+    b = r.get("numpy_blas") or {}
+    if not b:
+        return ""
+    return f", {b['internal_api']} {b['version']}, {b['architecture']} kernels"
+
+
 def _load_line(r: dict[str, Any]) -> list[str]:
     """How busy the machine was: other processes on the cores slow every contender."""
     load = r.get("load_average") or {}
@@ -524,8 +552,8 @@ def format_markdown(r: dict[str, Any]) -> str:
         f"manyheads {cfg['version']}, kernel path {cfg['kernel_isa']}, {r['threads']} threads; "
         f"peers on the same thread count: {installed or 'none'}"
         + (f" ({', '.join(absent)} not installed)" if absent else "")
-        + f". SGEMM (NumPy float32 2048²) {sg:.0f} GFLOP/s at the start (each row's % uses "
-        "the SGEMM rate measured just before that row).",
+        + f". SGEMM (NumPy float32 2048²{_blas_text(r)}) {sg:.0f} GFLOP/s at the start "
+        "(each row's % uses the SGEMM rate measured just before that row).",
         *_load_line(r),
         "Causal attention (prefill), B=1, H=12; medians; X / mh = X's time ÷ manyheads' time "
         "(above 1: manyheads is faster); useful work counted as 2·B·H·T²·D flops.",
