@@ -1,10 +1,13 @@
-"""Compare manyheads with PyTorch's CPU SDPA, the NumPy oracle and the machine's SGEMM rate.
+"""Compare manyheads with its CPU peers, the NumPy oracle and the machine's SGEMM rate.
 
-    python benchmarks/bench_attention.py [--quick] [--repeats N] [--out DIR]
+    python benchmarks/bench_attention.py [--quick] [--repeats N] [--peers LIST] [--out DIR]
 
-Same as ``python -m manyheads bench``; writes results.md, results.json and
-attention_time.png into DIR (default: benchmarks/results).  All figures are
-ratios measured in this one run (medians); see the README's performance section.
+Same as ``python -m manyheads bench`` (peers: PyTorch SDPA, ONNX Runtime's
+GroupQueryAttention, OpenVINO's ScaledDotProductAttention; ``pip install
+'.[bench]'`` installs them) except that results.md, results.json and
+attention_time.png go to DIR, by default this folder's results/, the table and
+plot the README shows.  All figures are ratios measured in this one run
+(medians); see the README's performance section.
 """
 import os
 import sys

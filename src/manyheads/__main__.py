@@ -1,13 +1,14 @@
 """``python -m manyheads``: a demo on built-in defaults, ``bench`` and ``info``.
 
     python -m manyheads            # demo: a 768-wide, 12-head layer on built-in text
-    python -m manyheads bench      # compare with PyTorch SDPA, the oracle and SGEMM
+    python -m manyheads bench      # compare with PyTorch, ONNX Runtime, OpenVINO, the oracle
     python -m manyheads info       # kernel path, OpenMP, threads
     python -m manyheads show --text "..." --out patterns.png   # every head's pattern
 """
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from typing import Any, Callable, Sequence
@@ -212,19 +213,45 @@ def cmd_info(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_bench(args: argparse.Namespace) -> int:
-    from manyheads import _bench
+BENCH_DESCRIPTION = """\
+Time manyheads' causal attention (prefill and decode) and its fused module
+against its CPU peers, the NumPy oracle and the machine's SGEMM rate, all in
+one run on the same thread count; every figure is a ratio of medians.
 
-    if _bench._torch() is None:
-        print("note: torch is not installed, so PyTorch is skipped "
-              "(pip install 'manyheads[bench]' to include it)")
-    res = _bench.run(quick=args.quick, out_dir=args.out, repeats=args.repeats,
-                     progress=not args.no_progress)
+peers (each optional: one that is not installed is skipped with a note;
+pip install 'manyheads[bench]' installs all three):
+  torch        PyTorch's torch.nn.functional.scaled_dot_product_attention
+  onnxruntime  ONNX Runtime, a one-node com.microsoft GroupQueryAttention model
+  openvino     OpenVINO, an opset-13 ScaledDotProductAttention model (CPU plugin)
+
+Each peer's output is compared with manyheads' on every shape before it is
+timed; one that differs is reported and not timed.  Results (results.md,
+results.json, attention_time.png) go to --out, by default a per-user cache
+folder outside any source tree.
+"""
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from manyheads import _bench, _peers
+
+    names = [n.strip() for n in args.peers.split(",") if n.strip()]
+    unknown = [n for n in names if n not in _bench.PEER_NAMES]
+    if unknown:
+        print(f"unknown peer(s): {', '.join(unknown)}; choose from "
+              f"{', '.join(_bench.PEER_NAMES)}", file=sys.stderr)
+        return 2
+    for name, version in _bench.peer_versions(names).items():
+        if version is None:
+            print("note: torch is not installed, so PyTorch is skipped "
+                  "(pip install 'manyheads[bench]' to include it)" if name == "torch"
+                  else _peers.missing_note(name))
+    out = args.out or _bench.default_out_dir()
+    res = _bench.run(quick=args.quick, out_dir=out, repeats=args.repeats,
+                     progress=not args.no_progress, peers=names)
     print(res["markdown"])
-    if args.out:
-        print(f"wrote {args.out}/results.md, results.json"
-              + (", attention_time.png" if res.get("plot") else
-                 " (no plot: pip install matplotlib)"))
+    print(f"wrote results.md, results.json"
+          + (", attention_time.png" if res.get("plot") else " (no plot: pip install matplotlib)")
+          + f" to {os.path.abspath(out)}")
     return 0
 
 
@@ -234,10 +261,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command")
     sub.add_parser("demo", help="run the demo (the default)")
     sub.add_parser("info", help="show the kernel path, OpenMP and thread count")
-    b = sub.add_parser("bench", help="benchmark against PyTorch SDPA, the oracle and SGEMM")
+    b = sub.add_parser("bench", help="benchmark against PyTorch, ONNX Runtime, OpenVINO, "
+                                     "the oracle and SGEMM",
+                       description=BENCH_DESCRIPTION,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
     b.add_argument("--quick", action="store_true", help="fewer sizes")
     b.add_argument("--repeats", type=int, default=7, help="timed calls per case (median)")
-    b.add_argument("--out", default="bench-results", help="folder for table, JSON and plot")
+    b.add_argument("--out", default=None,
+                   help="folder for table, JSON and plot (default: a per-user cache folder, "
+                        "printed at the end)")
+    b.add_argument("--peers", default="torch,onnxruntime,openvino",
+                   help="comma-separated peers to include (default: %(default)s)")
     b.add_argument("--no-progress", action="store_true")
     sh = sub.add_parser("show", help="draw every head's attention pattern for a text")
     sh.add_argument("--text", default="the cat sat on the mat. the cat sat on the mat.")

@@ -1,6 +1,10 @@
-"""Benchmarks: manyheads against PyTorch's CPU SDPA, the NumPy oracle and SGEMM.
+"""Benchmarks: manyheads against its CPU peers, the NumPy oracle and SGEMM.
 
-Every figure is a ratio measured in one run on one machine (medians of
+The peers are PyTorch's CPU SDPA, ONNX Runtime's GroupQueryAttention and
+OpenVINO's ScaledDotProductAttention (built in ``_peers``); each is optional and
+runs on manyheads' thread count.  Every peer's output is compared with
+manyheads' on the same inputs before it is timed; one that differs is not
+timed.  Every figure is a ratio measured in one run on one machine (medians of
 repeated calls); nothing here is an absolute claim.  Each implementation's
 repetitions run back to back, so one thread pool's idle spinning does not
 land in another's timings.  ``python -m manyheads bench`` runs this; the
@@ -8,19 +12,28 @@ land in another's timings.  ``python -m manyheads bench`` runs this; the
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 import resource
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
 import manyheads as mh
-from manyheads import oracle
+from manyheads import _peers, oracle
+
+#: every peer the benchmark knows, in table order
+PEER_NAMES = ("torch", *_peers.PEERS)
+LABELS = {"torch": "torch SDPA", **{k: v[1] for k, v in _peers.PEERS.items()}}
+SHORT = {"torch": "torch", "onnxruntime": "ORT", "openvino": "OpenVINO"}
+#: largest |peer - manyheads| accepted before a peer is timed, by dtype
+CHECK_ATOL = {"float32": 1e-4, "float64": 1e-9}
 
 
 def _torch() -> Any:
@@ -29,6 +42,101 @@ def _torch() -> Any:
     except ImportError:
         return None
     return torch
+
+
+def peer_versions(names: Sequence[str] = PEER_NAMES) -> dict[str, str | None]:
+    """Installed version of each named peer (None: not installed)."""
+    out: dict[str, str | None] = {}
+    for name in names:
+        if name == "torch":
+            torch = _torch()
+            out[name] = None if torch is None else str(torch.__version__)
+        else:
+            out[name] = _peers.version(name)
+    return out
+
+
+def default_out_dir() -> str:
+    """Where ``python -m manyheads bench`` writes without ``--out``: a per-user cache folder.
+
+    Outside any source tree: ``$XDG_CACHE_HOME`` (or ``~/.cache``) on Linux,
+    ``~/Library/Caches`` on macOS, ``%LOCALAPPDATA%`` on Windows, each with
+    ``manyheads/bench`` below it; the system's temporary folder when that
+    base is missing or not writable.
+    """
+    home = os.path.expanduser("~")
+    if sys.platform == "win32":
+        base = os.environ.get("LOCALAPPDATA", "")
+    elif sys.platform == "darwin":
+        base = os.path.join(home, "Library", "Caches")
+    else:
+        base = os.environ.get("XDG_CACHE_HOME") or os.path.join(home, ".cache")
+    probe = base
+    while probe and not os.path.isdir(probe) and os.path.dirname(probe) != probe:
+        probe = os.path.dirname(probe)  # the nearest folder that exists must be writable
+    if not base or not os.access(probe, os.W_OK):
+        base = tempfile.gettempdir()
+    return os.path.join(base, "manyheads", "bench")
+
+
+def numpy_blas() -> dict[str, str]:
+    """NumPy's BLAS, its version and the kernel family it runs (threadpoolctl), for the record.
+
+    The SGEMM ceiling is only as good as that kernel: an OpenBLAS pinned to an
+    older core type (``OPENBLAS_CORETYPE``) gives a lower ceiling.
+    """
+    try:
+        import threadpoolctl  # type: ignore[import-untyped]
+
+        infos = threadpoolctl.threadpool_info()
+    except Exception:  # threadpoolctl missing or unable to inspect the process
+        return {}
+    np_dir = os.path.dirname(os.path.dirname(np.__file__))
+    blas = [i for i in infos if i.get("user_api") == "blas"]
+    blas.sort(key=lambda i: not str(i.get("filepath", "")).startswith(np_dir))
+    if not blas:
+        return {}
+    return {k: str(blas[0].get(k)) for k in ("internal_api", "version", "architecture")}
+
+
+def _load_average() -> float | None:
+    """The 1-minute load average (None where the OS has none): how busy the machine was."""
+    try:
+        return float(os.getloadavg()[0])
+    except (AttributeError, OSError):
+        return None
+
+
+def _check(name: str, out: Any, ref: np.ndarray, dtype: str, row_diff: dict[str, float],
+           notes: dict[str, str]) -> bool:
+    """Record ``name``'s largest difference from manyheads' output; True when it is small."""
+    diff = float(np.max(np.abs(np.asarray(out, dtype=np.float64) - ref)))
+    row_diff[name] = diff
+    if not diff <= CHECK_ATOL[dtype]:  # NaN fails too
+        notes[name] = (f"differs from manyheads by {diff:.1e} "
+                       f"(more than {CHECK_ATOL[dtype]:.0e}); not timed")
+        sys.stderr.write(f"\nwarning: {LABELS[name]} {notes[name]}\n")
+        return False
+    return True
+
+
+def _add_peer(name: str, build: Callable[[], _peers.PeerCall], ref: np.ndarray, dtype: str,
+              fns: dict[str, Callable[[], Any]], row_diff: dict[str, float],
+              notes: dict[str, str], paths: dict[str, str]) -> None:
+    """Build one ONNX Runtime / OpenVINO peer, check it, and add it to ``fns`` if it agrees."""
+    if dtype != "float32":
+        notes[name] = "float32 only here"
+        return
+    try:
+        call = build()
+        out = call.result()
+    except Exception as exc:  # a peer that cannot run this shape is reported, not fatal
+        notes[name] = f"failed: {type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
+        sys.stderr.write(f"\nwarning: {LABELS[name]} {notes[name]}\n")
+        return
+    paths[name] = call.path
+    if _check(name, out, ref, dtype, row_diff, notes):
+        fns[name] = call.run
 
 
 def median_time(fn: Callable[[], Any], repeats: int, warmup: int = 2) -> float:
@@ -92,6 +200,10 @@ class KernelRow:
     torch_ms: float | None = None
     oracle_ms: float | None = None
     flops: float = 0.0
+    peers_ms: dict[str, float | None] = field(default_factory=dict)  # ONNX Runtime, OpenVINO
+    max_abs_diff: dict[str, float] = field(default_factory=dict)  # each peer vs manyheads
+    notes: dict[str, str] = field(default_factory=dict)  # why a peer was not timed
+    paths: dict[str, str] = field(default_factory=dict)  # what each peer ran
     extra: dict[str, float] = field(default_factory=dict)
 
 
@@ -103,8 +215,13 @@ def sgemm_gflops(repeats: int = 15) -> float:
 
 
 def kernel_case(T: int, D: int, dtype: Any, threads: int, repeats: int, with_torch: bool,
-                with_oracle: bool, B: int = 1, H: int = 12) -> KernelRow:
-    """One causal attention shape: manyheads, PyTorch SDPA and (optionally) the oracle."""
+                with_oracle: bool, B: int = 1, H: int = 12,
+                peers: Sequence[str] = ()) -> KernelRow:
+    """One causal attention shape: manyheads, its peers and (optionally) the oracle.
+
+    ``peers`` names the installed ONNX Runtime / OpenVINO peers to include;
+    each is checked against manyheads' output before it is timed.
+    """
     rng = np.random.default_rng(T + D)
     q, k, v = (rng.standard_normal((B, H, T, D)).astype(dtype) for _ in range(3))
     row = KernelRow(T=T, D=D, dtype=np.dtype(dtype).name, threads=threads, manyheads_ms=0.0,
@@ -112,6 +229,7 @@ def kernel_case(T: int, D: int, dtype: Any, threads: int, repeats: int, with_tor
     fns: dict[str, Callable[[], Any]] = {
         "manyheads": lambda: mh.scaled_dot_product_attention(q, k, v, is_causal=True,
                                                              num_threads=threads)}
+    ref = np.asarray(fns["manyheads"](), dtype=np.float64)
     torch = _torch() if with_torch else None
     if torch is not None:
         torch.set_num_threads(threads)
@@ -122,7 +240,12 @@ def kernel_case(T: int, D: int, dtype: Any, threads: int, repeats: int, with_tor
             with torch.inference_mode():
                 return sdpa(tq, tk, tv, is_causal=True)
 
-        fns["torch"] = run_torch
+        if _check("torch", run_torch().numpy(), ref, row.dtype, row.max_abs_diff, row.notes):
+            fns["torch"] = run_torch
+    for name in peers:
+        _add_peer(name, functools.partial(_peers.prefill, name, q, k, v, threads), ref,
+                  row.dtype, fns, row.max_abs_diff, row.notes, row.paths)
+    del ref
     # the ceiling, measured right before this row; then a pause, because BLAS
     # worker threads keep spinning for a while after a call and would slow
     # whatever runs next
@@ -138,6 +261,7 @@ def kernel_case(T: int, D: int, dtype: Any, threads: int, repeats: int, with_tor
     res = compare(fns, rounds=rounds, per_round=per_round)
     row.manyheads_ms = 1e3 * res["manyheads"]
     row.torch_ms = 1e3 * res["torch"] if "torch" in res else None
+    row.peers_ms = {name: (1e3 * res[name] if name in res else None) for name in peers}
     if with_oracle:
         row.oracle_ms = 1e3 * median_time(
             lambda: oracle.scaled_dot_product_attention(q, k, v, is_causal=True), 3, warmup=1)
@@ -218,11 +342,18 @@ def read_bandwidth_gbs(threads: int) -> dict[str, float]:
 
 
 def decode_cases(threads: int, repeats: int, with_torch: bool,
-                 lengths: tuple[int, ...] = (1024, 4096, 16384)) -> list[dict[str, Any]]:
-    """One new query (q_len=1) against a cache of L keys, B=1, H=12, D=64 (microseconds)."""
+                 lengths: tuple[int, ...] = (1024, 4096, 16384),
+                 peers: Sequence[str] = ()) -> list[dict[str, Any]]:
+    """One new query (q_len=1) against a cache of L keys, B=1, H=12, D=64 (microseconds).
+
+    The ONNX Runtime and OpenVINO peers append the L-th key and value to a cache
+    holding the other L-1 (a generation step); manyheads and torch read all L.
+    """
     from manyheads import _core
 
     torch = _torch() if with_torch else None
+    rounds, per_round, warmup = max(5, repeats), 20, 1
+    calls = warmup + rounds * (per_round + 1)  # how often compare() calls each function
     rows = []
     for L in lengths:
         rng = np.random.default_rng(L)
@@ -233,6 +364,10 @@ def decode_cases(threads: int, repeats: int, with_torch: bool,
             "float32": lambda: mh.scaled_dot_product_attention(q, k, v, num_threads=threads),
             "float16": lambda: _core.attention(q, k16, v16, scale=0.125, num_threads=threads),
         }
+        ref = np.asarray(fns["float32"](), dtype=np.float64)
+        diffs: dict[str, float] = {}
+        notes: dict[str, str] = {}
+        paths: dict[str, str] = {}
         if torch is not None:
             torch.set_num_threads(threads)
             tq, tk, tv = (torch.from_numpy(x) for x in (q, k, v))
@@ -241,11 +376,17 @@ def decode_cases(threads: int, repeats: int, with_torch: bool,
                 with torch.inference_mode():
                     return torch.nn.functional.scaled_dot_product_attention(tq, tk, tv)
 
-            fns["torch"] = run_torch
-        res = compare(fns, rounds=max(5, repeats), per_round=20)
+            if _check("torch", run_torch().numpy(), ref, "float32", diffs, notes):
+                fns["torch"] = run_torch
+        for name in peers:
+            _add_peer(name, functools.partial(_peers.decode, name, q, k, v, threads, calls),
+                      ref, "float32", fns, diffs, notes, paths)
+        res = compare(fns, rounds=rounds, per_round=per_round, warmup=warmup)
         row: dict[str, Any] = {"L": L, "bytes_f32": int(k.nbytes + v.nbytes)}
         row.update({f"{name}_us": 1e6 * t for name, t in res.items()})
+        row.update(max_abs_diff=diffs, notes=notes, paths=paths)
         rows.append(row)
+        del fns  # frees the peers' caches before the next length
     return rows
 
 
@@ -280,9 +421,20 @@ def peak_extra_memory_mib(T: int, D: int = 64, H: int = 12) -> float | None:
 
 
 def run(quick: bool = False, out_dir: str | None = None, repeats: int = 7,
-        progress: bool = True) -> dict[str, Any]:
-    """Run the whole comparison; return (and optionally write) the results."""
-    torch = _torch()
+        progress: bool = True, peers: Sequence[str] | None = None) -> dict[str, Any]:
+    """Run the whole comparison; return (and optionally write) the results.
+
+    ``peers`` names the peers to include (default: every one in ``PEER_NAMES``);
+    those that are not installed are left out and recorded as None.
+    """
+    names = list(PEER_NAMES if peers is None else peers)
+    unknown = [n for n in names if n not in PEER_NAMES]
+    if unknown:
+        raise ValueError(f"unknown peer(s) {', '.join(unknown)}; "
+                         f"expected some of {', '.join(PEER_NAMES)}")
+    versions = peer_versions(names)
+    others = [n for n in _peers.PEERS if versions.get(n)]
+    torch = _torch() if versions.get("torch") else None
     threads = mh.get_num_threads()
     Ts = [128, 512, 1024, 2048] if quick else [128, 512, 1024, 2048, 4096]
     side = [] if quick else [(2048, 32, np.float32), (2048, 128, np.float32),
@@ -292,18 +444,23 @@ def run(quick: bool = False, out_dir: str | None = None, repeats: int = 7,
     results: dict[str, Any] = {
         "config": mh._config.config(),
         "torch": None if torch is None else torch.__version__,
+        "peers": versions,
         "threads": threads,
+        "cpu_count": os.cpu_count(),
+        "load_average": {"start": _load_average()},
     }
     results["sgemm_gflops"] = sgemm_gflops()
+    results["numpy_blas"] = numpy_blas()
     time.sleep(0.5)
     bar.step("SGEMM 2048x2048")
     rows = []
     for T in Ts:
         rows.append(kernel_case(T, 64, np.float32, threads, repeats, torch is not None,
-                                with_oracle=T <= 2048))
+                                with_oracle=T <= 2048, peers=others))
         bar.step(f"causal SDPA T={T} D=64 float32")
     for T, D, dt in side:
-        rows.append(kernel_case(T, D, dt, threads, repeats, torch is not None, with_oracle=False))
+        rows.append(kernel_case(T, D, dt, threads, repeats, torch is not None, with_oracle=False,
+                                peers=others))
         bar.step(f"causal SDPA T={T} D={D} {np.dtype(dt).name}")
     results["kernel"] = [asdict(r) for r in rows]
     if not quick:
@@ -316,8 +473,10 @@ def run(quick: bool = False, out_dir: str | None = None, repeats: int = 7,
     results["bandwidth_gbs"] = read_bandwidth_gbs(threads)
     bar.step("memory read rate, 1 GiB")
     results["decode"] = decode_cases(threads, repeats, torch is not None,
-                                     (1024, 4096) if quick else (1024, 4096, 16384))
+                                     (1024, 4096) if quick else (1024, 4096, 16384),
+                                     peers=others)
     bar.step("decode q_len=1")
+    results["load_average"]["end"] = _load_average()
     text = format_markdown(results)
     if out_dir:
         os.makedirs(out_dir, exist_ok=True)
@@ -335,30 +494,88 @@ def _fmt(x: float | None, spec: str = ".2f") -> str:
     return "—" if x is None else format(x, spec)
 
 
+def _ratio(other: float | None, mine: float) -> str:
+    return "—" if other is None else f"{other / mine:.2f}×"
+
+
+def _timed_peers(r: dict[str, Any]) -> list[str]:
+    """The ONNX Runtime / OpenVINO peers this run included (installed and selected)."""
+    return [n for n in _peers.PEERS if (r.get("peers") or {}).get(n)]
+
+
+def _notes_and_checks(rows: list[dict[str, Any]], names: list[str]) -> list[str]:
+    """Lines under a table: each peer's largest difference from manyheads, and skips."""
+    lines = []
+    worst = {}
+    for n in names:
+        diffs = [row["max_abs_diff"][n] for row in rows if n in row.get("max_abs_diff", {})]
+        if diffs:
+            worst[n] = max(diffs)
+    if worst:
+        lines.append("Checked before timing, largest |peer − manyheads| over these rows: "
+                     + ", ".join(f"{LABELS[n]} {d:.1e}" for n, d in worst.items()) + ".")
+    seen: dict[tuple[str, str], list[str]] = {}
+    for row in rows:
+        where = f"T={row['T']} D={row['D']} {row['dtype']}" if "T" in row else f"L={row['L']}"
+        for n, note in row.get("notes", {}).items():
+            if n in names:
+                seen.setdefault((n, note), []).append(where)
+    for (n, note), places in seen.items():
+        lines.append(f"Not timed: {LABELS[n]} at {', '.join(places)}: {note}.")
+    return lines
+
+
+def _blas_text(r: dict[str, Any]) -> str:
+    b = r.get("numpy_blas") or {}
+    if not b:
+        return ""
+    return f", {b['internal_api']} {b['version']}, {b['architecture']} kernels"
+
+
+def _load_line(r: dict[str, Any]) -> list[str]:
+    """How busy the machine was: other processes on the cores slow every contender."""
+    load = r.get("load_average") or {}
+    if load.get("start") is None or load.get("end") is None:
+        return []
+    return [f"1-minute load average {load['start']:.2f} at the start, {load['end']:.2f} at the "
+            f"end, on {r.get('cpu_count') or '?'} logical CPUs (this run's own work included)."]
+
+
 def format_markdown(r: dict[str, Any]) -> str:
     sg = r["sgemm_gflops"]
     cfg = r["config"]
+    versions = r.get("peers") or {"torch": r["torch"]}
+    peers = _timed_peers(r)
+    installed = ", ".join(f"{n} {v}" for n, v in versions.items() if v)
+    absent = [n for n, v in versions.items() if not v]
     lines = [
-        f"manyheads {cfg['version']}, kernel path {cfg['kernel_isa']}, {r['threads']} threads, "
-        f"torch {r['torch'] or 'not installed'}; SGEMM (NumPy float32 2048²) {sg:.0f} GFLOP/s "
-        "at the start (each row's % uses the SGEMM rate measured just before that row).",
-        "Causal attention, B=1, H=12; medians; speed-up = other's time / manyheads' time; "
-        "useful work counted as 2·B·H·T²·D flops.",
+        f"manyheads {cfg['version']}, kernel path {cfg['kernel_isa']}, {r['threads']} threads; "
+        f"peers on the same thread count: {installed or 'none'}"
+        + (f" ({', '.join(absent)} not installed)" if absent else "")
+        + f". SGEMM (NumPy float32 2048²{_blas_text(r)}) {sg:.0f} GFLOP/s at the start "
+        "(each row's % uses the SGEMM rate measured just before that row).",
+        *_load_line(r),
+        "Causal attention (prefill), B=1, H=12; medians; X / mh = X's time ÷ manyheads' time "
+        "(above 1: manyheads is faster); useful work counted as 2·B·H·T²·D flops.",
         "",
-        "| T | D | dtype | manyheads ms | torch SDPA ms | speed-up vs torch | oracle ms "
-        "| speed-up vs oracle | % of SGEMM rate |",
-        "|---:|---:|:---|---:|---:|---:|---:|---:|---:|",
+        "| T | D | dtype | manyheads ms | torch SDPA ms | torch / mh | "
+        + "".join(f"{LABELS[n]} ms | {SHORT[n]} / mh | " for n in peers)
+        + "oracle ms | oracle / mh | % of SGEMM rate |",
+        "|---:|---:|:---|---:|---:|---:|" + "---:|---:|" * len(peers) + "---:|---:|---:|",
     ]
     for row in r["kernel"]:
         ms = row["manyheads_ms"]
-        vs_t = None if row["torch_ms"] is None else row["torch_ms"] / ms
-        vs_o = None if row["oracle_ms"] is None else row["oracle_ms"] / ms
         pct = row["flops"] / (ms * 1e-3) / 1e9 / row["extra"].get("sgemm_gflops", sg) * 100
-        lines.append(
-            f"| {row['T']} | {row['D']} | {row['dtype']} | {ms:.2f} | {_fmt(row['torch_ms'])} "
-            f"| {_fmt(vs_t)}× | {_fmt(row['oracle_ms'], '.1f')} | {_fmt(vs_o, '.1f')}× "
-            f"| {pct:.0f}% |"
-        )
+        cells = [str(row["T"]), str(row["D"]), row["dtype"], f"{ms:.2f}",
+                 _fmt(row["torch_ms"]), _ratio(row["torch_ms"], ms)]
+        for n in peers:
+            other = row.get("peers_ms", {}).get(n)
+            cells += [_fmt(other), _ratio(other, ms)]
+        cells += [_fmt(row["oracle_ms"], ".1f"), _ratio(row["oracle_ms"], ms), f"{pct:.0f}%"]
+        lines.append("| " + " | ".join(cells) + " |")
+    checks = _notes_and_checks(r["kernel"], ["torch", *peers])
+    if checks:
+        lines += [""] + checks
     if "thread_scaling_T2048" in r:
         ts = r["thread_scaling_T2048"]
         one, many = ts["1"], ts[str(r["threads"])]
@@ -390,17 +607,23 @@ def format_markdown(r: dict[str, Any]) -> str:
             f"memory read rate {bw:.1f} GB/s (NumPy, 1 GiB, {r['threads']} threads: "
             f"max {r['bandwidth_gbs']['max']:.1f}, sum {r['bandwidth_gbs']['sum']:.1f}):",
             "",
-            "| L | manyheads float32 | manyheads float16 cache | torch SDPA | speed-up vs torch "
-            "| float16 vs float32 | float32 cache read rate |",
-            "|---:|---:|---:|---:|---:|---:|---:|",
+            "| L | manyheads float32 | manyheads float16 cache | torch SDPA | torch / mh | "
+            + "".join(f"{LABELS[n]} | {SHORT[n]} / mh | " for n in peers)
+            + "float16 vs float32 | float32 cache read rate |",
+            "|---:|---:|---:|---:|---:|" + "---:|---:|" * len(peers) + "---:|---:|",
         ]
         for d in r["decode"]:
             t32, t16, tt = d["float32_us"], d["float16_us"], d.get("torch_us")
             rate = d["bytes_f32"] / (t32 * 1e-6) / 1e9
-            lines.append(
-                f"| {d['L']} | {t32:.0f} | {t16:.0f} | {_fmt(tt, '.0f')} "
-                f"| {_fmt(None if tt is None else tt / t32)}× | {t32 / t16:.2f}× "
-                f"| {rate:.1f} GB/s ({rate / bw * 100:.0f}%) |")
+            cells = [str(d["L"]), f"{t32:.0f}", f"{t16:.0f}", _fmt(tt, ".0f"), _ratio(tt, t32)]
+            for n in peers:
+                other = d.get(f"{n}_us")
+                cells += [_fmt(other, ".0f"), _ratio(other, t32)]
+            cells += [f"{t32 / t16:.2f}×", f"{rate:.1f} GB/s ({rate / bw * 100:.0f}%)"]
+            lines.append("| " + " | ".join(cells) + " |")
+        checks = _notes_and_checks(r["decode"], ["torch", *peers])
+        if checks:
+            lines += [""] + checks
     return "\n".join(lines) + "\n"
 
 
@@ -419,6 +642,11 @@ def plot_results(r: dict[str, Any], path: str) -> str | None:
     ax.plot(Ts, [x["manyheads_ms"] for x in rows], "o-", label="manyheads")
     if all(x["torch_ms"] is not None for x in rows):
         ax.plot(Ts, [x["torch_ms"] for x in rows], "s-", label="PyTorch SDPA (CPU)")
+    for name, marker in zip(_timed_peers(r), "Dv"):
+        prow = [x for x in rows if x.get("peers_ms", {}).get(name) is not None]
+        if prow:
+            ax.plot([x["T"] for x in prow], [x["peers_ms"][name] for x in prow], marker + "-",
+                    label=LABELS[name])
     orows = [x for x in rows if x["oracle_ms"] is not None]
     if orows:
         ax.plot([x["T"] for x in orows], [x["oracle_ms"] for x in orows], "^-",
