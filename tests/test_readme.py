@@ -15,7 +15,8 @@ def test_readme_python_examples_run(tmp_path, monkeypatch):
     assert blocks, "README has no python example"
     ran = 0
     for code in blocks:
-        optional = [m for m in ("torch", "matplotlib", "transformers") if f"import {m}" in code]
+        optional = [m for m in ("torch", "matplotlib", "transformers", "distributed")
+                    if f"import {m}" in code or f"from {m} import" in code]
         if any(importlib.util.find_spec(m) is None for m in optional):
             continue  # an optional extra this environment lacks
         exec(compile(code, str(README), "exec"), {})
