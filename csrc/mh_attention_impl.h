@@ -14,6 +14,9 @@
  *   V_NEG_INF_TO_ZERO(v)  lanes equal to -inf become 0
  *   V_HSUM(v)    sum of the lanes
  *   V_LOAD_HALF(p)  optional: VW float16 values widened to V (float paths)
+ *   V_LOAD_BF16(p)  optional: VW bfloat16 values widened to V (float paths)
+ *   V_LOAD_I8(p)    optional: VW int8 values converted to V (float paths)
+ *   V_LOAD_U4(p)    optional: VW 4-bit values from VW/2 bytes (low nibble first) to V
  *
  * A work item has two paths, which share the same three steps per key block
  * (scores with every mask applied, online softmax, value mix):
@@ -131,6 +134,48 @@ static inline void FN(half_row)(T *dst, const uint16_t *src, int64_t n)
     for (; c < n; ++c) dst[c] = (T)mh_half_to_float(src[c]);
 }
 
+/* dst[0..n) = bfloat16 src[0..n) widened (a 16-bit shift). */
+static inline void FN(bf16_row)(T *dst, const uint16_t *src, int64_t n)
+{
+    int64_t c = 0;
+#ifdef V_LOAD_BF16
+    for (; c + VW <= n; c += VW) V_STORE(dst + c, V_LOAD_BF16(src + c));
+#endif
+    for (; c < n; ++c) dst[c] = (T)mh_bf16_to_float(src[c]);
+}
+
+/* dst[0..n) = int8 src[0..n) * scale. */
+static inline void FN(i8_row)(T *dst, const int8_t *src, int64_t n, float scale)
+{
+    int64_t c = 0;
+#ifdef V_LOAD_I8
+    const V s = V_SET1((T)scale);
+    for (; c + VW <= n; c += VW) V_STORE(dst + c, V_MUL(V_LOAD_I8(src + c), s));
+#endif
+    for (; c < n; ++c) dst[c] = (T)((float)src[c] * scale);
+}
+
+/* dst[0..n) = 4-bit src (two per byte, low nibble first) * scale + min, one
+   (scale, min) float16 pair per MH_I4_GROUP channels; n is a multiple of the group. */
+static inline void FN(i4_row)(T *dst, const uint8_t *src, int64_t n, const uint16_t *pairs)
+{
+    for (int64_t g = 0; g < n / MH_I4_GROUP; ++g) {
+        const float scale = mh_half_to_float(pairs[2 * g]);
+        const float lo = mh_half_to_float(pairs[2 * g + 1]);
+        const uint8_t *b = src + g * (MH_I4_GROUP / 2);
+        T *d = dst + g * MH_I4_GROUP;
+        int64_t c = 0;
+#ifdef V_LOAD_U4
+        const V vs = V_SET1((T)scale), vlo = V_SET1((T)lo);
+        for (; c + VW <= MH_I4_GROUP; c += VW) V_STORE(d + c, V_FMA(V_LOAD_U4(b + c / 2), vs, vlo));
+#endif
+        for (; c < MH_I4_GROUP; c += 2) {
+            d[c] = (T)((float)(b[c / 2] & 15) * scale + lo);
+            d[c + 1] = (T)((float)(b[c / 2] >> 4) * scale + lo);
+        }
+    }
+}
+
 /* ---- one work item's state ------------------------------------------------ */
 
 /* Pointers into one work item's scratch (mh_scratch_plan) and flags. */
@@ -148,7 +193,9 @@ static FN(work) FN(carve)(const mh_attn_args *a, int64_t nq, void *scratch)
     T *base = (T *)scratch;
     FN(work) w;
 #ifdef V_LOAD_HALF
-    const int widens = 1; /* this path widens float16 vectors while it reads */
+    /* this path widens float16 vectors while it reads; other formats go through
+       load_rows into kpack / vpack */
+    const int widens = a->kv_format == MH_KV_NATIVE || a->kv_format == MH_KV_F16;
 #else
     const int widens = a->kv_format == MH_KV_NATIVE;
 #endif
@@ -168,17 +215,41 @@ static FN(work) FN(carve)(const mh_attn_args *a, int64_t nq, void *scratch)
     return w;
 }
 
-/* dst[j][0..n) = K or V rows [row0, row0 + rows) of this pair, widened from
-   float16 when the cache stores halves; columns [n, dst_row) are left alone. */
-static void FN(load_rows)(const mh_attn_args *a, const mh_operand *src, int64_t pair,
-                          int64_t row0, int64_t rows, int64_t n, T *dst, int64_t dst_row)
+/* dst[j][0..n) = K or V rows [row0, row0 + rows) of this pair, widened from the
+   storage format (see mh_kv_format; `scale` is the matching k_scale / v_scale);
+   columns [n, dst_row) are left alone. */
+static void FN(load_rows)(const mh_attn_args *a, const mh_operand *src,
+                          const mh_operand *scale, int64_t pair, int64_t row0, int64_t rows,
+                          int64_t n, T *dst, int64_t dst_row)
 {
-    if (a->kv_format == MH_KV_F16) {
-        const uint16_t *p = (const uint16_t *)src->base + src->off[pair] + row0 * src->row;
+    const int64_t start = src->off[pair] + row0 * src->row;
+    switch (a->kv_format) {
+    case MH_KV_F16: {
+        const uint16_t *p = (const uint16_t *)src->base + start;
         for (int64_t j = 0; j < rows; ++j) FN(half_row)(dst + j * dst_row, p + j * src->row, n);
-    } else {
-        const T *p = (const T *)src->base + src->off[pair] + row0 * src->row;
-        FN(copy_rows)(dst, dst_row, p, src->row, rows, n);
+        break;
+    }
+    case MH_KV_BF16: {
+        const uint16_t *p = (const uint16_t *)src->base + start;
+        for (int64_t j = 0; j < rows; ++j) FN(bf16_row)(dst + j * dst_row, p + j * src->row, n);
+        break;
+    }
+    case MH_KV_I8: {
+        const int8_t *p = (const int8_t *)src->base + start;
+        const float *s = (const float *)scale->base + scale->off[pair] + row0 * scale->row;
+        for (int64_t j = 0; j < rows; ++j)
+            FN(i8_row)(dst + j * dst_row, p + j * src->row, n, s[j * scale->row]);
+        break;
+    }
+    case MH_KV_I4: {
+        const uint8_t *p = (const uint8_t *)src->base + start;
+        const uint16_t *s = (const uint16_t *)scale->base + scale->off[pair] + row0 * scale->row;
+        for (int64_t j = 0; j < rows; ++j)
+            FN(i4_row)(dst + j * dst_row, p + j * src->row, n, s + j * scale->row);
+        break;
+    }
+    default:
+        FN(copy_rows)(dst, dst_row, (const T *)src->base + start, src->row, rows, n);
     }
 }
 
@@ -294,7 +365,7 @@ static void FN(tile_masked_scores)(const mh_attn_args *a, int64_t pair, int64_t 
                                    int64_t nvq, int64_t k0, int64_t nk, FN(work) *w)
 {
     const int64_t E = a->head_dim;
-    FN(load_rows)(a, &a->k, pair, k0, nk, E, w->kpack, E);
+    FN(load_rows)(a, &a->k, &a->k_scale, pair, k0, nk, E, w->kpack, E);
     FN(tile_scores)(w->qt, E, w->kpack, E, nk, nvq, mh_row0_visible(a, q0, k0, nk), w->st);
     /* only blocks that cross the diagonal or the window edge need element
        masking; padding lanes are masked too so every entry is defined */
@@ -358,7 +429,7 @@ static void FN(tile_mix)(const mh_attn_args *a, int64_t pair, int64_t q0, int64_
     const int64_t row0_visible = mh_row0_visible(a, q0, k0, nk);
     const T *v = w->vpack, *st = w->st, *alpha = w->alpha;
     T *acc = w->acc;
-    FN(load_rows)(a, &a->v, pair, k0, nk, a->v_dim, w->vpack, evp);
+    FN(load_rows)(a, &a->v, &a->v_scale, pair, k0, nk, a->v_dim, w->vpack, evp);
     int64_t c = 0;
     for (; c + NVO <= nvv; c += NVO) {
         int64_t i = 0;
@@ -464,7 +535,7 @@ static void FN(few_rows_masked_scores)(const mh_attn_args *a, int64_t pair, int6
         else
             FN(few_rows_dots)(w->qt, ep, nq, kb, a->k.row, nk, E / VW, w->st, 0);
     } else {
-        FN(load_rows)(a, &a->k, pair, k0, nk, E, w->kpack, ep);
+        FN(load_rows)(a, &a->k, &a->k_scale, pair, k0, nk, E, w->kpack, ep);
         FN(few_rows_dots)(w->qt, ep, nq, w->kpack, ep, nk, ep / VW, w->st, 0);
     }
     if (mh_block_is_cut(a, q0, nq, k0, nk))
@@ -555,7 +626,7 @@ static void FN(few_rows_mix)(const mh_attn_args *a, int64_t pair, int64_t nq, in
         vb = MH_KV_AT(a->v.base, a->v.off[pair] + k0 * a->v.row, half);
         v_row = a->v.row;
     } else {
-        FN(load_rows)(a, &a->v, pair, k0, nk, a->v_dim, w->vpack, evp);
+        FN(load_rows)(a, &a->v, &a->v_scale, pair, k0, nk, a->v_dim, w->vpack, evp);
     }
 #define MH_MIX(R)                                                                        \
     (half ? FN(few_rows_output)(w->acc, evp, w->alpha, w->st, nk, vb, v_row, nvv, R, 1)  \

@@ -8,6 +8,7 @@
 #if defined(__x86_64__) || defined(_M_X64)
 #include <immintrin.h>
 #include <math.h>
+#include <string.h>
 #include "mh_exp.h"
 
 static inline float mh_hsum_f32_avx2(__m256 v)
@@ -16,6 +17,17 @@ static inline float mh_hsum_f32_avx2(__m256 v)
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
     s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
     return _mm_cvtss_f32(s);
+}
+
+/* 8 four-bit values from 4 bytes (low nibble first) as floats. */
+static inline __m256 mh_load_u4_avx2(const uint8_t *p)
+{
+    int32_t word;
+    memcpy(&word, p, 4);
+    const __m128i b = _mm_cvtsi32_si128(word), low4 = _mm_set1_epi8(0x0f);
+    const __m128i nib = _mm_unpacklo_epi8(_mm_and_si128(b, low4),
+                                          _mm_and_si128(_mm_srli_epi16(b, 4), low4));
+    return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(nib));
 }
 
 static inline double mh_hsum_f64_avx2(__m256d v)
@@ -46,6 +58,10 @@ static inline double mh_hsum_f64_avx2(__m256d v)
 #define V_EXP(x) mh_exp_f32_avx2(x)
 #define V_HSUM(x) mh_hsum_f32_avx2(x)
 #define V_LOAD_HALF(p) _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p)))
+#define V_LOAD_BF16(p) \
+    _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(p))), 16))
+#define V_LOAD_I8(p) _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p))))
+#define V_LOAD_U4(p) mh_load_u4_avx2((const uint8_t *)(p))
 #define V_NEG_INF_TO_ZERO(x) \
     _mm256_andnot_ps(_mm256_cmp_ps((x), _mm256_set1_ps(-INFINITY), _CMP_EQ_OQ), (x))
 

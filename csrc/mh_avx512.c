@@ -31,9 +31,22 @@
 #define V_EXP(x) mh_exp_f32_avx512(x)
 #define V_HSUM(x) _mm512_reduce_add_ps(x)
 #define V_LOAD_HALF(p) _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p)))
+#define V_LOAD_BF16(p) \
+    _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(p))), 16))
+#define V_LOAD_I8(p) _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p))))
+#define V_LOAD_U4(p) mh_load_u4_avx512((const uint8_t *)(p))
 #define V_NEG_INF_TO_ZERO(x) \
     _mm512_mask_blend_ps(_mm512_cmp_ps_mask((x), _mm512_set1_ps(-INFINITY), _CMP_EQ_OQ), (x), \
                          _mm512_setzero_ps())
+
+/* 16 four-bit values from 8 bytes (low nibble first) as floats. */
+static inline __m512 mh_load_u4_avx512(const uint8_t *p)
+{
+    const __m128i b = _mm_loadl_epi64((const __m128i *)p), low4 = _mm_set1_epi8(0x0f);
+    const __m128i nib = _mm_unpacklo_epi8(_mm_and_si128(b, low4),
+                                          _mm_and_si128(_mm_srli_epi16(b, 4), low4));
+    return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(nib));
+}
 
 /* exp(x) (scheme and constants in mh_exp.h), 2^n applied with scalef.  Inputs
    are clamped where 2^n underflows to exactly 0, so exp(-inf) = 0; NaN passes

@@ -27,3 +27,12 @@
 #ifdef V_LOAD_HALF
 #undef V_LOAD_HALF
 #endif
+#ifdef V_LOAD_BF16
+#undef V_LOAD_BF16
+#endif
+#ifdef V_LOAD_I8
+#undef V_LOAD_I8
+#endif
+#ifdef V_LOAD_U4
+#undef V_LOAD_U4
+#endif

@@ -47,9 +47,21 @@ extern "C" {
 
 enum mh_mask_kind { MH_MASK_NONE = 0, MH_MASK_BOOL = 1, MH_MASK_ADD = 2 };
 
-/* Storage of keys and values: the kernel's own float type, or float16 widened
-   as it is read (float32 kernels only). */
-enum mh_kv_format { MH_KV_NATIVE = 0, MH_KV_F16 = 1 };
+/* Storage of keys and values (formats other than NATIVE: float32 kernels only).
+   Each is widened to the kernel's type as it is read, block by block; the
+   cache is never copied out whole.
+     NATIVE  the kernel's float type
+     F16     IEEE half (uint16 bits)
+     BF16    bfloat16 (uint16 bits: the high half of a float32)
+     I8      int8, symmetric: value = q * scale, one float32 scale per row
+             (token): k_scale/v_scale rows hold 1 float
+     I4      4-bit, asymmetric in groups of MH_I4_GROUP channels: byte c of a
+             row holds channels 2c (low nibble) and 2c+1 (high nibble), each
+             value = q * scale + min; k_scale/v_scale rows hold (scale, min)
+             float16 pairs (uint16 bits), one per group */
+enum mh_kv_format { MH_KV_NATIVE = 0, MH_KV_F16 = 1, MH_KV_BF16 = 2, MH_KV_I8 = 3,
+                    MH_KV_I4 = 4 };
+#define MH_I4_GROUP 32
 
 /* Kernel paths, in no particular order; mh_isa_by_preference() ranks them. */
 enum mh_isa { MH_ISA_BASELINE = 0, MH_ISA_AVX2 = 1, MH_ISA_AVX512 = 2, MH_ISA_COUNT = 3 };
@@ -92,6 +104,7 @@ typedef struct mh_attn_args {
     mh_operand v;     /* (pairs, S, Ev) kv_format */
     mh_operand out;   /* (pairs, L, Ev) kernel float type, written */
     int kv_format;    /* enum mh_kv_format */
+    mh_operand k_scale, v_scale; /* I8 / I4 only: per row (see mh_kv_format) */
 
     /* Optional mask (pairs, L, S): MH_MASK_BOOL reads bytes, nonzero = may
        attend; MH_MASK_ADD reads the kernel's float type and adds it to the
@@ -243,6 +256,14 @@ static inline float mh_half_to_float(uint16_t h)
     }
     r.u = exp == 31 ? (sign | 0x7f800000u | (mant << 13))
                     : (sign | ((exp + 112u) << 23) | (mant << 13));
+    return r.f;
+}
+
+/* bfloat16 -> float, exactly: the 16 bits are the high half of the float. */
+static inline float mh_bf16_to_float(uint16_t b)
+{
+    union { uint32_t u; float f; } r;
+    r.u = (uint32_t)b << 16;
     return r.f;
 }
 

@@ -58,31 +58,43 @@ def _broadcast(arr: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
     return arr if arr.shape == shape else np.broadcast_to(arr, shape)
 
 
-def _pair_views(q: np.ndarray, k: np.ndarray, v: np.ndarray, enable_gqa: bool
-                ) -> tuple[tuple[int, ...], np.ndarray, np.ndarray, np.ndarray, int]:
-    """Batch shape (.., Hq) and views of q, k, v with one (L|S, E) matrix per pair.
+def _pair_views(q: np.ndarray, kvs: tuple[np.ndarray, ...], enable_gqa: bool
+                ) -> tuple[tuple[int, ...], np.ndarray, list[np.ndarray], int]:
+    """Batch shape (.., Hq) and views of q and the key-side arrays ``kvs`` (keys, values
+    and any per-row scales) with one (rows, cols) matrix per pair.
 
-    With grouped-query attention, kv head h // group serves query head h: k and
-    v become (.., Hkv, group, S, E) broadcast views.  Returns the batch shape,
-    the three views and the number of leading axes of the k/v views.
+    With grouped-query attention, kv head h // group serves query head h: the
+    key-side arrays become (.., Hkv, group, S, x) broadcast views.  Returns the
+    batch shape, q's view, the key-side views and their number of leading axes.
     """
     L, E = q.shape[-2:]
-    S, Ev = v.shape[-2:]
     if enable_gqa:
-        hq, hkv = q.shape[-3], k.shape[-3]
-        outer = broadcast_shapes("query, key and value", q.shape[:-3], k.shape[:-3],
-                                 v.shape[:-3])
+        hq, hkv = q.shape[-3], kvs[0].shape[-3]
+        outer = broadcast_shapes("query, key and value", q.shape[:-3],
+                                 *(a.shape[:-3] for a in kvs))
         batch = outer + (hq,)
         kv_shape = outer + (hkv, hq // hkv)
-        kv = np.broadcast_to(k[..., :, None, :, :], kv_shape + (S, E))
-        vv = np.broadcast_to(v[..., :, None, :, :], kv_shape + (S, Ev))
-        return batch, _broadcast(q, batch + (L, E)), kv, vv, len(kv_shape)
+        views = [np.broadcast_to(a[..., :, None, :, :], kv_shape + a.shape[-2:]) for a in kvs]
+        return batch, _broadcast(q, batch + (L, E)), views, len(kv_shape)
     batch = q.shape[:-2]
-    if batch == k.shape[:-2] == v.shape[:-2]:  # the common case: nothing to broadcast
-        return batch, q, k, v, len(batch)
-    batch = broadcast_shapes("query, key and value", batch, k.shape[:-2], v.shape[:-2])
-    return (batch, _broadcast(q, batch + (L, E)), _broadcast(k, batch + (S, E)),
-            _broadcast(v, batch + (S, Ev)), len(batch))
+    if all(a.shape[:-2] == batch for a in kvs):  # the common case: nothing to broadcast
+        return batch, q, list(kvs), len(batch)
+    batch = broadcast_shapes("query, key and value", batch, *(a.shape[:-2] for a in kvs))
+    return (batch, _broadcast(q, batch + (L, E)),
+            [_broadcast(a, batch + a.shape[-2:]) for a in kvs], len(batch))
+
+
+def storage_format(k: np.ndarray) -> str:
+    """The kernels' name for the storage of keys/values of dtype ``k.dtype``."""
+    if k.dtype == np.float16:
+        return "float16"
+    if k.dtype.name == "bfloat16":  # ml_dtypes' bfloat16, without importing it
+        return "bfloat16"
+    if k.dtype == np.int8:
+        return "int8"
+    if k.dtype == np.uint8:
+        return "int4"
+    return "native"
 
 
 def attention(
@@ -101,6 +113,8 @@ def attention(
     return_weights: bool = False,
     out: np.ndarray | None = None,
     split: bool | None = None,
+    k_scale: np.ndarray | None = None,
+    v_scale: np.ndarray | None = None,
 ) -> Any:
     """softmax(q kᵀ scale + mask) v over checked (..., L|S, E) arrays.
 
@@ -108,18 +122,24 @@ def attention(
     causal mask); ``window=W`` (with a causal offset) also hides keys more
     than W-1 positions back.  ``out``, if given, is a writable view of the
     output shape (it may be strided, e.g. the merged-heads layout of a fused
-    module).  k and v may be float16 (a KV cache) when q is float32.
-    ``split`` forces (True) or forbids (False) the split-key schedule; by
-    default it serves a few query rows against many keys.  Returns the output,
-    or ``(output, weights)`` with ``return_weights``.
+    module).  With q float32, k and v may be stored as float16, bfloat16, int8
+    (with per-row float32 ``k_scale``/``v_scale`` (.., S, 1)) or int4 (uint8
+    bytes (.., S, E/2), with float16 (scale, min) pairs per group of 32
+    channels (.., S, 2 * E/32)); see ``KVCache``.  ``split`` forces (True) or forbids
+    (False) the split-key schedule; by default it serves a few query rows
+    against many keys.  Returns the output, or ``(output, weights)`` with
+    ``return_weights``.
     """
+    fmt = storage_format(k)
     L, E = q.shape[-2:]
-    S, Ev = v.shape[-2:]
-    kv_half = k.dtype == np.float16
+    S, Ev = v.shape[-2], v.shape[-1] * (2 if fmt == "int4" else 1)
     q = kernel_ready(q)
-    k = kernel_ready(k.view(np.uint16) if kv_half else k)
-    v = kernel_ready(v.view(np.uint16) if kv_half else v)
-    batch, qv, kv, vv, n_kv_batch = _pair_views(q, k, v, enable_gqa)
+    bits = np.uint16 if fmt in ("float16", "bfloat16") else None
+    kvs = tuple(kernel_ready(a if bits is None else a.view(bits)) for a in (k, v))
+    if k_scale is not None and v_scale is not None:  # int4: float16 pairs, read as bits
+        kvs += tuple(kernel_ready(a.view(np.uint16) if a.dtype == np.float16 else a)
+                     for a in (k_scale, v_scale))
+    batch, qv, kv_views, n_kv_batch = _pair_views(q, kvs, enable_gqa)
     nb = len(batch)
     mv = None
     if mask is not None:
@@ -140,7 +160,8 @@ def attention(
     if n_pairs and L and S and Ev:
         call = _kernels.AttentionCall(q.dtype == np.float64, n_pairs, L, S, E, Ev)
         call.set_query(qv, nb)
-        call.set_keys_values(kv, vv, n_kv_batch, kv_half)
+        scales = kv_views[2:] if len(kv_views) == 4 else (None, None)
+        call.set_keys_values(kv_views[0], kv_views[1], n_kv_batch, fmt, scales[0], scales[1])
         call.set_output(out, nb)
         if mv is not None:
             call.set_mask(mv, nb)

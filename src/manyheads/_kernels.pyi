@@ -7,6 +7,8 @@ import numpy.typing as npt
 _Float = TypeVar("_Float", np.float32, np.float64)
 _FloatArray = npt.NDArray[np.float32] | npt.NDArray[np.float64]
 
+KV_FORMATS: dict[str, int]
+I4_GROUP: int
 BLOCK_Q: int
 BLOCK_K: int
 FEW_ROWS: int
@@ -63,8 +65,9 @@ class AttentionCall:
         """Queries (.., L, E); the first ``n_batch`` axes enumerate the pairs."""
 
     def set_keys_values(self, k: npt.NDArray[Any], v: npt.NDArray[Any], n_batch: int,
-                        float16: bool = ...) -> None:
-        """Keys and values in the call's float type, or float16 bits as uint16 when ``float16``."""
+                        fmt: str = ..., k_scale: npt.NDArray[np.float32] | None = ...,
+                        v_scale: npt.NDArray[np.float32] | None = ...) -> None:
+        """Keys and values stored as ``fmt`` (a KV_FORMATS name), with int8/int4 scales."""
 
     def set_output(self, out: _FloatArray, n_batch: int) -> None: ...
     def set_mask(self, mask: npt.NDArray[Any], n_batch: int) -> None:

@@ -28,6 +28,10 @@ cdef extern from "mh_kernels.h" nogil:
         MH_MASK_ADD
         MH_KV_NATIVE
         MH_KV_F16
+        MH_KV_BF16
+        MH_KV_I8
+        MH_KV_I4
+        MH_I4_GROUP
         MH_ISA_COUNT
 
     ctypedef struct mh_operand:
@@ -51,6 +55,7 @@ cdef extern from "mh_kernels.h" nogil:
         int64_t n_pairs, q_len, kv_len, head_dim, v_dim
         mh_operand q, k, v, out, mask
         int kv_format
+        mh_operand k_scale, v_scale
         int mask_kind
         mh_causal causal
         double scale
@@ -129,6 +134,10 @@ cdef extern from "Python.h":
     int PyErr_CheckSignals()  # called with the GIL held; -1 with the exception set
 
 
+# storage formats of keys and values (see mh_kernels.h)
+KV_FORMATS = {"native": MH_KV_NATIVE, "float16": MH_KV_F16, "bfloat16": MH_KV_BF16,
+              "int8": MH_KV_I8, "int4": MH_KV_I4}
+I4_GROUP = MH_I4_GROUP
 BLOCK_Q = MH_BLOCK_Q
 BLOCK_K = MH_BLOCK_K
 FEW_ROWS = MH_FEW_ROWS
@@ -414,11 +423,11 @@ cdef class AttentionCall:
     cdef mh_attn_args a
     cdef bint is_f64
     cdef list _keep
-    cdef int64_t *_offsets  # 5 tables of n_pairs: q, k, v, out, mask
+    cdef int64_t *_offsets  # 7 tables of n_pairs: q, k, v, out, mask, k_scale, v_scale
 
     def __cinit__(self, bint float64, int64_t n_pairs, int64_t q_len, int64_t kv_len,
                   int64_t head_dim, int64_t v_dim):
-        self._offsets = <int64_t *>malloc(5 * sizeof(int64_t) * (n_pairs if n_pairs > 0 else 1))
+        self._offsets = <int64_t *>malloc(7 * sizeof(int64_t) * (n_pairs if n_pairs > 0 else 1))
         if self._offsets == NULL:
             raise MemoryError("cannot allocate the offset tables")
         self.is_f64 = float64
@@ -451,12 +460,18 @@ cdef class AttentionCall:
         """Queries (.., L, E) in the call's float type."""
         self._operand(&self.a.q, 0, q, n_batch)
 
-    def set_keys_values(self, cnp.ndarray k, cnp.ndarray v, int n_batch, bint float16=False):
-        """Keys (.., S, E) and values (.., S, Ev): the call's float type, or float16
-        bits viewed as uint16 (widened by the kernels) when ``float16``."""
+    def set_keys_values(self, cnp.ndarray k, cnp.ndarray v, int n_batch, str fmt="native",
+                        cnp.ndarray k_scale=None, cnp.ndarray v_scale=None):
+        """Keys (.., S, E) and values (.., S, Ev) stored as ``fmt`` (a KV_FORMATS name):
+        the call's float type, 16-bit formats as uint16 bits, int8, or int4 as uint8
+        bytes (.., S, E/2); int8 takes per-row float32 scales (.., S, 1), int4
+        float16 (scale, min) pairs per group as uint16 bits (.., S, 2 * groups)."""
         self._operand(&self.a.k, 1, k, n_batch)
         self._operand(&self.a.v, 2, v, n_batch)
-        self.a.kv_format = MH_KV_F16 if float16 else MH_KV_NATIVE
+        self.a.kv_format = KV_FORMATS[fmt]
+        if k_scale is not None:
+            self._operand(&self.a.k_scale, 5, k_scale, n_batch)
+            self._operand(&self.a.v_scale, 6, v_scale, n_batch)
 
     def set_output(self, cnp.ndarray out, int n_batch):
         """Output (.., L, Ev) in the call's float type, written by the kernels."""

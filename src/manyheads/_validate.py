@@ -95,6 +95,21 @@ def check_float_dtype(dtype: Any, name: str = "dtype") -> np.dtype:
     return dt
 
 
+HALF_DTYPE_NAMES = ("float16", "bfloat16")  # bfloat16: ml_dtypes' dtype, recognised by name
+ATTENTION_DTYPES_TEXT = "float32, float64, float16 or ml_dtypes.bfloat16"
+
+
+def as_attention_array(x: Any, name: str) -> np.ndarray:
+    """``x`` as a float32/float64/float16/bfloat16 array (integer array-likes become
+    float64); TypeError naming the supported dtypes otherwise."""
+    if isinstance(x, np.ndarray) and x.dtype.name in HALF_DTYPE_NAMES:
+        return x
+    try:
+        return as_float_array(x, name)
+    except TypeError as exc:
+        raise TypeError(str(exc).replace(FLOAT_DTYPES_TEXT, ATTENTION_DTYPES_TEXT)) from None
+
+
 def as_float_array(x: Any, name: str) -> np.ndarray:
     """``x`` as a float32/float64 array (integer array-likes become float64); TypeError otherwise."""
     if isinstance(x, np.ndarray):

@@ -12,7 +12,8 @@ from typing import Any
 import numpy as np
 
 from . import _config, _core
-from ._validate import (FLOAT_DTYPES, FLOAT_DTYPES_TEXT, as_float_array, check_bool,
+from ._validate import (ATTENTION_DTYPES_TEXT, FLOAT_DTYPES, FLOAT_DTYPES_TEXT,
+                        HALF_DTYPE_NAMES, as_attention_array, as_float_array, check_bool,
                         check_dropout, check_optional_real, seed_value)
 
 __all__ = ["scaled_dot_product_attention", "linear", "SUPPORTED_DTYPES"]
@@ -27,7 +28,7 @@ def _check_mask(attn_mask: Any, dtype: np.dtype) -> np.ndarray:
     if mask.dtype.kind != "f" or mask.dtype.itemsize not in (2, 4, 8):
         raise TypeError(
             f"attn_mask has dtype {mask.dtype}; expected bool (True = may attend) "
-            f"or a float mask ({FLOAT_DTYPES_TEXT}) added to the scores"
+            f"or a float mask ({ATTENTION_DTYPES_TEXT}) added to the scores"
         )
     return mask.astype(dtype, copy=False)
 
@@ -94,8 +95,11 @@ def scaled_dot_product_attention(
     query : ndarray, shape (..., Hq, L, E)
     key : ndarray, shape (..., Hkv, S, E)
     value : ndarray, shape (..., Hkv, S, Ev)
-        float32 or float64, all the same dtype.  Batch dimensions broadcast.
-        Non-contiguous views are read in place when the last axis is contiguous.
+        float32, float64, float16 or ``ml_dtypes.bfloat16``, all the same
+        dtype.  Half precision is widened as it is read and computed in
+        float32 (scores, softmax statistics, output accumulator); the output
+        has the input dtype.  Batch dimensions broadcast.  Non-contiguous
+        views are read in place when the last axis is contiguous.
     attn_mask : ndarray, optional
         Broadcastable to (..., Hq, L, S).  Boolean: True means the query may
         attend the key.  Float: added to the scaled scores.
@@ -128,9 +132,9 @@ def scaled_dot_product_attention(
     A query row with every key masked gives zeros (and zero weights), never
     NaN.  Results are identical for every thread count on one kernel path.
     """
-    q = as_float_array(query, "query")
-    k = as_float_array(key, "key")
-    v = as_float_array(value, "value")
+    q = as_attention_array(query, "query")
+    k = as_attention_array(key, "key")
+    v = as_attention_array(value, "value")
     _check_shapes(q, k, v)
     causal = check_bool(is_causal, "is_causal")
     if causal and attn_mask is not None:
@@ -145,12 +149,21 @@ def scaled_dot_product_attention(
             and q.shape[-3] % k.shape[-3] == 0:
         raise ValueError(f"query has {q.shape[-3]} heads and key/value {k.shape[-3]}: for "
                          f"grouped-query attention pass enable_gqa=True")
-    mask = None if attn_mask is None else _check_mask(attn_mask, q.dtype)
-    return _core.attention(q, k, v, mask=mask, causal_offset=0 if causal else None,
-                           scale=1.0 / math.sqrt(q.shape[-1]) if s is None else s, dropout_p=p,
-                           seed=seed_value(seed) if p > 0 else 0, enable_gqa=gqa,
-                           return_weights=check_bool(return_weights, "return_weights"),
-                           num_threads=nt)
+    half = q.dtype if q.dtype.name in HALF_DTYPE_NAMES else None
+    compute = np.dtype(np.float32) if half is not None else q.dtype
+    mask = None if attn_mask is None else _check_mask(attn_mask, compute)
+    rw = check_bool(return_weights, "return_weights")
+    # half precision: keys and values are read in place and widened by the kernels;
+    # the queries (one row per output row) are widened here, and the float32 result
+    # is rounded back to the input type
+    res = _core.attention(q if half is None else q.astype(np.float32), k, v, mask=mask,
+                          causal_offset=0 if causal else None,
+                          scale=1.0 / math.sqrt(q.shape[-1]) if s is None else s, dropout_p=p,
+                          seed=seed_value(seed) if p > 0 else 0, enable_gqa=gqa,
+                          return_weights=rw, num_threads=nt)
+    if half is None:
+        return res
+    return (res[0].astype(half), res[1].astype(half)) if rw else res.astype(half)
 
 
 def linear(x: Any, weight: Any, bias: Any = None, *, num_threads: int | None = None

@@ -1,0 +1,136 @@
+"""Half-precision inputs and low-precision KV caches (float16, bfloat16, int8, int4)."""
+import numpy as np
+import pytest
+
+import manyheads as mh
+from manyheads import oracle
+from manyheads.cache import dequantize, quantize
+
+from conftest import F32_ATOL, normal
+
+ml_dtypes = pytest.importorskip("ml_dtypes")
+HALVES = [np.float16, ml_dtypes.bfloat16]
+FORMATS = ["float16", "bfloat16", "int8", "int4"]
+# relative RMS error of the attention output for unit-normal keys and values (README)
+RMS_BOUND = {"float16": 0.002, "bfloat16": 0.01, "int8": 0.012, "int4": 0.15}
+
+
+def cache_dtype(fmt):
+    return {"float16": np.float16, "bfloat16": ml_dtypes.bfloat16}.get(fmt, fmt)
+
+
+def rel_rms(a, b):
+    return float(np.sqrt(np.mean((a - b) ** 2) / np.mean(b ** 2)))
+
+
+def within_one_ulp(got, exact):
+    """got (half) is the float32 result (within F32_ATOL of exact, float64) rounded once to
+    got's type: off by at most one unit in its last place plus the float32 error."""
+    fi = ml_dtypes.finfo(got.dtype)
+    ulp = float(fi.eps) * np.abs(exact)
+    return bool(np.all(np.abs(got.astype(np.float64) - exact) <= 1.5 * ulp + F32_ATOL))
+
+
+@pytest.mark.parametrize("dtype", HALVES)
+@pytest.mark.parametrize("L,S,causal", [(1, 700, False), (3, 3, True), (90, 90, True),
+                                        (4, 2000, False)])
+def test_half_inputs_match_the_oracle_on_the_same_rounded_inputs(rng, dtype, L, S, causal):
+    q = normal(rng, (2, 4, L, 64)).astype(dtype)
+    k, v = (normal(rng, (2, 4, S, 64)).astype(dtype) for _ in range(2))
+    out = mh.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    assert out.dtype == np.dtype(dtype)
+    ref = oracle.scaled_dot_product_attention(*(a.astype(np.float64) for a in (q, k, v)),
+                                              is_causal=causal)
+    # computed in float32, then rounded once to the input type
+    assert within_one_ulp(out, ref)
+
+
+@pytest.mark.parametrize("dtype", HALVES)
+def test_half_inputs_with_masks_gqa_weights_and_dropout(rng, dtype):
+    q = normal(rng, (1, 6, 20, 32)).astype(dtype)
+    k, v = (normal(rng, (1, 2, 20, 32)).astype(dtype) for _ in range(2))
+    mask = rng.random((20, 20)) < 0.7
+    mask[:, 0] = True
+    out, w = mh.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True,
+                                             return_weights=True)
+    assert out.dtype == w.dtype == np.dtype(dtype)
+    wide = [a.astype(np.float64) for a in (q, np.repeat(k, 3, 1), np.repeat(v, 3, 1))]
+    ref_out, ref_w = oracle.scaled_dot_product_attention(*wide, attn_mask=mask,
+                                                         return_weights=True)
+    assert within_one_ulp(out, ref_out) and within_one_ulp(w, ref_w)
+    dropped = mh.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True,
+                                              dropout_p=0.3, seed=5)
+    ref_drop = oracle.scaled_dot_product_attention(*wide, attn_mask=mask, dropout_p=0.3, seed=5)
+    assert within_one_ulp(dropped, ref_drop)
+
+
+def test_other_dtypes_are_rejected_naming_the_supported_ones():
+    x = np.ones((1, 2, 3, 8), np.int16)
+    with pytest.raises(TypeError, match="float16 or ml_dtypes.bfloat16"):
+        mh.scaled_dot_product_attention(x, x, x)
+    with pytest.raises(TypeError, match="one dtype"):
+        mh.scaled_dot_product_attention(x.astype(np.float16), x.astype(np.float16),
+                                        x.astype(np.float32))
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_quantize_round_trip_within_the_format_resolution(rng, fmt):
+    x = normal(rng, (3, 2, 50, 64), np.float32)
+    back = dequantize(*quantize(x, fmt), fmt)
+    step = {"float16": 2.0**-10, "bfloat16": 2.0**-7, "int8": 1 / 127, "int4": 1 / 15}[fmt]
+    span = {"int8": np.abs(x).max(-1, keepdims=True), "int4": 2 * np.abs(x).max()}.get(fmt, np.abs(x))
+    assert np.all(np.abs(back - x) <= step * span + 1e-7)
+
+
+def make(window=None, kv=2):
+    return mh.MultiHeadAttention(32, 128, 4096, 0.0, 4, qkv_bias=True, num_kv_heads=kv,
+                                 window=window, seed=0)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("window,kv", [(None, 4), (None, 2), (24, 2)])
+def test_every_cache_format_decodes_like_a_float32_cache(rng, fmt, window, kv):
+    m = make(window, kv)
+    x = normal(rng, (2, 60, 32), np.float32)
+    pad = np.zeros((2, 40), bool)
+    pad[1, :7] = True  # left padding in the prompt
+
+    def decode(dtype):
+        cache = m.new_cache(2, 60, dtype=dtype)
+        outs = [m(x[:, :40], cache=cache, key_padding_mask=pad)]
+        outs += [m(x[:, t:t + 1], cache=cache) for t in range(40, 60)]
+        return np.concatenate(outs, axis=1), cache
+
+    ref, ref_cache = decode(None)
+    got, cache = decode(cache_dtype(fmt))
+    assert rel_rms(got[1, 7:], ref[1, 7:]) < RMS_BOUND[fmt]
+    assert rel_rms(got[0], ref[0]) < RMS_BOUND[fmt]
+    per_f32 = {"float16": 0.5, "bfloat16": 0.5, "int8": 0.30, "int4": 0.18}[fmt]
+    assert cache.nbytes <= per_f32 * ref_cache.nbytes
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_cache_attend_reads_the_stored_values_exactly(rng, fmt):
+    """What the kernels compute from a quantised cache is the attention over the
+    dequantised keys and values (no other error enters)."""
+    cache = mh.KVCache(1, 3000, 2, 64, cache_dtype(fmt))
+    q = normal(rng, (1, 4, 2900, 64), np.float32)
+    k, v = (normal(rng, (1, 2, 2900, 64), np.float32) for _ in range(2))
+    cache.attend(q[:, :, :2899], k[:, :, :2899], v[:, :, :2899])
+    out = cache.attend(q[:, :, 2899:], k[:, :, 2899:], v[:, :, 2899:])  # split-key decode
+    kd = dequantize(*quantize(k, fmt), fmt).astype(np.float64)
+    vd = dequantize(*quantize(v, fmt), fmt).astype(np.float64)
+    ref = oracle.scaled_dot_product_attention(q[:, :, 2899:].astype(np.float64),
+                                              np.repeat(kd, 2, 1), np.repeat(vd, 2, 1))
+    np.testing.assert_allclose(out, ref, rtol=0, atol=2e-6)
+
+
+def test_unknown_cache_dtypes_list_the_accepted_ones():
+    m = make()
+    with pytest.raises(TypeError, match="'int8' or 'int4'"):
+        m.new_cache(1, 8, dtype="int2")
+    with pytest.raises(ValueError, match="multiple of 32"):
+        mh.KVCache(1, 8, 1, 48, "int4")
+    m64 = mh.MultiHeadAttention(32, 64, 64, 0.0, 4, dtype=np.float64)
+    with pytest.raises(TypeError, match="float32 modules"):
+        m64(np.ones((1, 2, 32)), cache=m64.new_cache(1, 8, dtype="int8"))
