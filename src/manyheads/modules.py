@@ -71,6 +71,12 @@ _SHARED_PARAMETERS = """
         Seeds the weight initialisation and the dropout stream."""
 
 
+_REPR_ALWAYS = ("d_in", "d_out", "context_length", "dropout", "num_heads", "qkv_bias")
+# keyword options, shown by repr only when they differ from these
+_REPR_DEFAULTS: dict[str, Any] = {"causal": True, "window": None, "rope_theta": None,
+                                  "batch_first": True, "out_proj": True, "scale": None}
+
+
 class _AttentionModule:
     """The constructor skeleton, the call template and save/load shared by the modules."""
 
@@ -90,7 +96,8 @@ class _AttentionModule:
 
     def _init_common(self, d_in: Any, d_out: Any, context_length: Any, dropout: Any,
                      qkv_bias: Any, *, causal: Any, window: Any, batch_first: Any, dtype: Any,
-                     seed: Any) -> None:
+                     seed: Any, rope_theta: Any, num_heads: Any = 1) -> None:
+        """The settings every module shares; ``num_heads`` None means it was not given."""
         self.d_in = check_int(d_in, "d_in", 1)
         self.d_out = self.d_in if d_out is None else check_int(d_out, "d_out", 1)
         self.context_length = check_int(context_length, "context_length", 1)
@@ -103,6 +110,8 @@ class _AttentionModule:
         self.batch_first = check_bool(batch_first, "batch_first")
         self.dtype = check_float_dtype(dtype)
         self._rng = rng_from_seed(seed)
+        self._init_heads(num_heads)
+        self._init_rope(rope_theta, self.head_dim)
 
     def _init_heads(self, num_heads: Any) -> None:
         if num_heads is None:
@@ -122,13 +131,16 @@ class _AttentionModule:
             raise ValueError(f"rotary position embeddings need an even head size, got {head_dim}")
         self.rope_theta = theta
 
-    def _options_repr(self) -> str:
-        """The keyword options that differ from their defaults, for __repr__."""
-        parts = [] if self.causal else ["causal=False"]
-        parts += [] if self.window is None else [f"window={self.window}"]
-        parts += [] if self.rope_theta is None else [f"rope_theta={self.rope_theta:g}"]
-        parts += [] if self.batch_first else ["batch_first=False"]
-        return "".join(", " + p for p in parts) + f", dtype={self.dtype.name}"
+    def __repr__(self) -> str:
+        """The book's positional arguments, then every keyword option not at its default."""
+        settings = self._settings()
+        shown = [f"{k}={settings[k]}" for k in _REPR_ALWAYS if k in settings]
+        shown += [f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}"
+                  for k, v in settings.items()
+                  if k not in _REPR_ALWAYS + ("dtype",)
+                  and (k not in _REPR_DEFAULTS or v != _REPR_DEFAULTS[k])
+                  and not (k == "num_kv_heads" and v == settings.get("num_heads"))]
+        return f"{type(self).__name__}({', '.join(shown)}, dtype={self.dtype.name})"
 
     def _rotate(self, q: np.ndarray, k: np.ndarray, step: CacheStep | None) -> None:
         """Rotary position embeddings on q and k (B, H, T, D) in place; positions start
@@ -427,8 +439,8 @@ class CausalAttention(_AttentionModule):
                  window: int | None = None, rope_theta: float | None = None,
                  batch_first: bool = True, dtype: Any = np.float32, seed: Any = None) -> None:
         self._init_common(d_in, d_out, context_length, dropout, qkv_bias, causal=causal,
-                          window=window, batch_first=batch_first, dtype=dtype, seed=seed)
-        self._init_rope(rope_theta, self.d_out)
+                          window=window, batch_first=batch_first, dtype=dtype, seed=seed,
+                          rope_theta=rope_theta)
         rng, shape = self._rng, (self.d_in, self.d_out)
         self.W_query = _linear_init(rng, self.d_in, shape, self.dtype)
         self.W_key = _linear_init(rng, self.d_in, shape, self.dtype)
@@ -440,11 +452,6 @@ class CausalAttention(_AttentionModule):
             self.b_query = _linear_init(rng, self.d_in, (self.d_out,), self.dtype)
             self.b_key = _linear_init(rng, self.d_in, (self.d_out,), self.dtype)
             self.b_value = _linear_init(rng, self.d_in, (self.d_out,), self.dtype)
-
-    def __repr__(self) -> str:
-        return (f"CausalAttention(d_in={self.d_in}, d_out={self.d_out}, "
-                f"context_length={self.context_length}, dropout={self.dropout}, "
-                f"qkv_bias={self.qkv_bias}{self._options_repr()})")
 
     def _cache_geometry(self) -> tuple[int, int]:
         return 1, self.d_out
@@ -516,9 +523,8 @@ class StackedMultiHeadAttention(_AttentionModule):
                  rope_theta: float | None = None, batch_first: bool = True,
                  dtype: Any = np.float32, seed: Any = None) -> None:
         self._init_common(d_in, d_out, context_length, dropout, qkv_bias, causal=causal,
-                          window=window, batch_first=batch_first, dtype=dtype, seed=seed)
-        self._init_heads(num_heads)
-        self._init_rope(rope_theta, self.head_dim)
+                          window=window, batch_first=batch_first, dtype=dtype, seed=seed,
+                          rope_theta=rope_theta, num_heads=num_heads)
         rng = self._rng
         self.heads = [
             CausalAttention(self.d_in, self.head_dim, self.context_length, self.dropout,
@@ -531,12 +537,6 @@ class StackedMultiHeadAttention(_AttentionModule):
         if out_proj:
             self.W_out = _linear_init(rng, self.d_out, (self.d_out, self.d_out), self.dtype)
             self.b_out = _linear_init(rng, self.d_out, (self.d_out,), self.dtype)
-
-    def __repr__(self) -> str:
-        return (f"StackedMultiHeadAttention(d_in={self.d_in}, d_out={self.d_out}, "
-                f"context_length={self.context_length}, dropout={self.dropout}, "
-                f"num_heads={self.num_heads}, qkv_bias={self.qkv_bias}, "
-                f"out_proj={self.W_out is not None}{self._options_repr()})")
 
     def _cache_geometry(self) -> tuple[int, int]:
         return self.num_heads, self.head_dim
@@ -706,9 +706,8 @@ class MultiHeadAttention(_AttentionModule):
                  rope_theta: float | None = None, batch_first: bool = True,
                  dtype: Any = np.float32, seed: Any = None) -> None:
         self._init_common(d_in, d_out, context_length, dropout, qkv_bias, causal=causal,
-                          window=window, batch_first=batch_first, dtype=dtype, seed=seed)
-        self._init_heads(num_heads)
-        self._init_rope(rope_theta, self.head_dim)
+                          window=window, batch_first=batch_first, dtype=dtype, seed=seed,
+                          rope_theta=rope_theta, num_heads=num_heads)
         self.scale = check_optional_real(scale, "scale")
         kvh = check_optional_int(num_kv_heads, "num_kv_heads", 1) or self.num_heads
         if self.num_heads % kvh:
@@ -734,13 +733,6 @@ class MultiHeadAttention(_AttentionModule):
         """Columns of part 0 (queries), 1 (keys) or 2 (values) in the packed projection."""
         starts = (0, self.d_out, self.d_out + self.kv_dim, self.d_out + 2 * self.kv_dim)
         return slice(starts[part], starts[part + 1])
-
-    def __repr__(self) -> str:
-        kv = f", num_kv_heads={self.num_kv_heads}" if self.num_kv_heads != self.num_heads else ""
-        return (f"MultiHeadAttention(d_in={self.d_in}, d_out={self.d_out}, "
-                f"context_length={self.context_length}, dropout={self.dropout}, "
-                f"num_heads={self.num_heads}, qkv_bias={self.qkv_bias}{kv}"
-                f"{self._options_repr()})")
 
     def _cache_geometry(self) -> tuple[int, int]:
         return self.num_kv_heads, self.head_dim
