@@ -186,6 +186,9 @@ def _load_checkpoint(folder: str) -> tuple[Any, Any]:
     from manyheads.models import from_pretrained
 
     model = from_pretrained(folder)
+    # one-time set-up of the first calls (SciPy's BLAS for products of many rows, the
+    # thread pool) belongs to loading, not to the prompt's time
+    model.logits([[0] * min(8, model.context_length)])
     tok = None
     tok_path = os.path.join(folder, "tokenizer.json")
     if os.path.isfile(tok_path):

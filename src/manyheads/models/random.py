@@ -115,8 +115,9 @@ def save_random_checkpoint(path: str | os.PathLike[str], model_type: str = "llam
     model_type : {"llama", "qwen2", "gpt2"}
     seed : int
     tokenizer : bool
-        Also write a ``tokenizer.json``: a byte-level BPE trained on
-        :data:`TOKENIZER_TEXT` with ``vocab_size`` entries (needs ``tokenizers``).
+        Also write a ``tokenizer.json``: the words of :data:`TOKENIZER_TEXT` (needs
+        ``tokenizers``); the model's vocabulary is then that of the tokenizer unless
+        ``vocab_size`` is given.
     dtype : float32 or float16
         Storage type of the weights.
     **config
@@ -132,6 +133,10 @@ def save_random_checkpoint(path: str | os.PathLike[str], model_type: str = "llam
     cfg.setdefault("eos_token_id", None)
     folder = os.fspath(path)
     os.makedirs(folder, exist_ok=True)
+    if tokenizer:
+        size = write_tokenizer(folder, cfg["vocab_size"])
+        if "vocab_size" not in config:
+            cfg["vocab_size"] = size
     tensors = {k: v.astype(dtype) for k, v in
                _tensors(cfg, np.random.default_rng(seed)).items()}
     cfg["torch_dtype"] = np.dtype(dtype).name
@@ -139,21 +144,18 @@ def save_random_checkpoint(path: str | os.PathLike[str], model_type: str = "llam
                        metadata={"format": "pt"})
     with open(os.path.join(folder, "config.json"), "w", encoding="utf-8") as f:
         json.dump(cfg, f, indent=2)
-    if tokenizer:
-        write_tokenizer(folder, cfg["vocab_size"])
     return folder
 
 
-def write_tokenizer(folder: str, vocab_size: int) -> None:
-    """A byte-level BPE ``tokenizer.json`` of at most ``vocab_size`` entries."""
+def write_tokenizer(folder: str, vocab_size: int) -> int:
+    """A word-level ``tokenizer.json`` for the words of :data:`TOKENIZER_TEXT`; returns its
+    size.  (A random model over byte-level pieces prints bytes that are no text; over
+    whole words its output stays readable.)"""
     tk = require_package("tokenizers", "writing a tokenizer")
-    tok = tk.Tokenizer(tk.models.BPE())
-    tok.pre_tokenizer = tk.pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = tk.decoders.ByteLevel()
-    alphabet = tk.pre_tokenizers.ByteLevel.alphabet()
-    trainer = tk.trainers.BpeTrainer(vocab_size=max(vocab_size, len(alphabet)),
-                                     initial_alphabet=alphabet, show_progress=False)
+    tok = tk.Tokenizer(tk.models.WordLevel(unk_token="[UNK]"))
+    tok.pre_tokenizer = tk.pre_tokenizers.Whitespace()
+    trainer = tk.trainers.WordLevelTrainer(vocab_size=vocab_size, special_tokens=["[UNK]"],
+                                           show_progress=False)
     tok.train_from_iterator([TOKENIZER_TEXT], trainer=trainer)
-    if tok.get_vocab_size() > vocab_size:
-        raise ValueError(f"a byte-level tokenizer needs vocab_size >= {tok.get_vocab_size()}")
     tok.save(os.path.join(folder, "tokenizer.json"))
+    return int(tok.get_vocab_size())
