@@ -104,10 +104,12 @@ class DecoderModel:
     blocks: Sequence[Block]
     head: np.ndarray  # (d_model, vocab): the LM head in x @ W form, contiguous
     eos_token_id: int | None = None
+    learned_positions = False  # True: _embed reads the tokens' absolute positions
 
     # -- supplied by each architecture -------------------------------------------------
-    def _embed(self, ids: np.ndarray, positions: np.ndarray) -> np.ndarray:
-        """(B, T, d_model) float32 input of the first block."""
+    def _embed(self, ids: np.ndarray, positions: np.ndarray | None) -> np.ndarray:
+        """(B, T, d_model) float32 input of the first block, a new array (the blocks
+        update it in place); ``positions`` only with ``learned_positions``."""
         raise NotImplementedError
 
     def _final_norm(self, x: np.ndarray) -> np.ndarray:
@@ -214,7 +216,8 @@ class DecoderModel:
         past = 0 if caches is None else len(caches[0])
         self._check_room(past, arr.shape[1])
         pad = self._check_mask(attention_mask, arr.shape, past)
-        x = self._embed(arr, self._positions(caches, pad, arr.shape))
+        x = self._embed(arr, self._positions(caches, pad, arr.shape)
+                        if self.learned_positions else None)
         for i, block in enumerate(self.blocks[:stop_at]):
             x = block(x, None if caches is None else caches[i], pad)
         return x, pad

@@ -86,6 +86,7 @@ class GPT2(DecoderModel):
     """
 
     model_type = "gpt2"
+    learned_positions = True
 
     def __init__(self, cfg: dict[str, Any], ckpt: TensorSource) -> None:
         self.vocab_size = config_int(cfg, "vocab_size")
@@ -159,7 +160,8 @@ class GPT2(DecoderModel):
                             "(no wte.weight in its state dict)")
         return cls(cfg, ArrayTensors(arrays))
 
-    def _embed(self, ids: np.ndarray, positions: np.ndarray) -> np.ndarray:
+    def _embed(self, ids: np.ndarray, positions: np.ndarray | None) -> np.ndarray:
+        assert positions is not None
         x: np.ndarray
         if self.wte is not None:
             x = self.wte[ids]

@@ -169,7 +169,7 @@ class Llama(DecoderModel):
         self.tie = bool(cfg.get("tie_word_embeddings", self.tie_default))
         self.eos_token_id = eos_of(cfg)
 
-    def _embed(self, ids: np.ndarray, positions: np.ndarray) -> np.ndarray:
+    def _embed(self, ids: np.ndarray, positions: np.ndarray | None) -> np.ndarray:
         if self.embed is not None:
             x: np.ndarray = self.embed[ids]
             return x
