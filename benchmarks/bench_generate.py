@@ -51,6 +51,7 @@ def main() -> int:
     import transformers
 
     transformers.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
     warnings.filterwarnings("ignore", category=FutureWarning)  # past_key_values' new name
 
     threads = mh.get_num_threads()

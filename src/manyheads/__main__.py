@@ -312,7 +312,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     new: list[int] = []
     shown = [""]
     stamps: list[float] = []
-    prompt_text = "" if tok is None else tok.decode(ids, skip_special_tokens=False)
+    # the text shown is the tokenizer's decoding without special tokens (BOS, EOS)
+    prompt_text = "" if tok is None else tok.decode(ids, skip_special_tokens=True)
     out = sys.stdout
     out.write(args.prompt if tok is None else prompt_text)
     out.flush()
@@ -326,7 +327,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
         if tok is None:
             out.write(f" {t}")
         else:
-            text = tok.decode(ids + new, skip_special_tokens=False)[len(prompt_text):]
+            text = tok.decode(ids + new, skip_special_tokens=True)
+            # the new text is what follows the prompt's decoding (so that a word split
+            # into pieces reads right); a tokenizer that rewrites the prompt's text once
+            # more tokens follow gets the new tokens decoded on their own
+            text = text[len(prompt_text):] if text.startswith(prompt_text) else \
+                tok.decode(new, skip_special_tokens=True)
             if not text.endswith("\ufffd"):  # wait for the rest of a multi-byte character
                 out.write(text[len(shown[0]):])
                 shown[0] = text
