@@ -199,6 +199,7 @@ def test_sharded_checkpoint(arch, tmp_path):
 
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])
 def test_bfloat16_checkpoint_is_widened_on_load(arch, tmp_path):
+    pytest.importorskip("ml_dtypes")
     hf = build(arch, tmp_path / "f32", seed=6)
     hf.to(torch.bfloat16).save_pretrained(tmp_path / "bf16", safe_serialization=True)
     hf.float()  # now holds the bfloat16-rounded weights in float32
