@@ -217,8 +217,6 @@ def _token_labels(tok: Any, ids: list[int]) -> list[str]:
 
 
 def _show_checkpoint(args: argparse.Namespace) -> int:
-    from manyheads.plot import format_roles, head_roles, plot_attention
-
     try:
         model, tok = _load_checkpoint(args.model)
         ids = _encode(tok, args.text)
@@ -229,14 +227,20 @@ def _show_checkpoint(args: argparse.Namespace) -> int:
     except (OSError, ValueError, ImportError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    labels = _token_labels(tok, ids)
     layer %= model.num_layers
     print(f"{model}\nlayer {layer} of {model.num_layers}; {len(ids)} tokens")
-    print(format_roles(head_roles(w, ids)))
+    return _draw(args, w, ids, _token_labels(tok, ids),
+                 f"{model.model_type} layer {layer}: {len(ids)} tokens, {w.shape[0]} heads")
+
+
+def _draw(args: argparse.Namespace, w: np.ndarray, tokens: Sequence[Any], labels: Sequence[Any],
+          title: str) -> int:
+    """Print the head roles of weights ``w`` (H, T, T) and write their picture."""
+    from manyheads.plot import format_roles, head_roles, plot_attention
+
+    print(format_roles(head_roles(w, tokens)))
     try:
-        fig = plot_attention(w, labels, scale=args.scale,
-                             title=f"{model.model_type} layer {layer}: {len(ids)} tokens, "
-                                   f"{w.shape[0]} heads")
+        fig = plot_attention(w, labels, scale=args.scale, title=title)
     except ImportError as exc:
         print(f"{exc}", file=sys.stderr)
         return 2
@@ -246,8 +250,6 @@ def _show_checkpoint(args: argparse.Namespace) -> int:
 
 
 def cmd_show(args: argparse.Namespace) -> int:
-    from manyheads.plot import format_roles, head_roles, plot_attention
-
     if args.model:
         return _show_checkpoint(args)
     if args.layer is not None:
@@ -271,16 +273,7 @@ def cmd_show(args: argparse.Namespace) -> int:
         return 2
     _, w = layer(x, return_weights=True)
     print(f"{source}; {len(tokens)} byte tokens")
-    print(format_roles(head_roles(w, tokens)))
-    try:
-        fig = plot_attention(w, tokens, scale=args.scale,
-                             title=f"{len(tokens)} tokens, {w.shape[0]} heads")
-    except ImportError as exc:
-        print(f"{exc}", file=sys.stderr)
-        return 2
-    fig.savefig(args.out, dpi=args.dpi)
-    print(f"wrote {args.out} (colour scale: {args.scale})")
-    return 0
+    return _draw(args, w, tokens, tokens, f"{len(tokens)} tokens, {w.shape[0]} heads")
 
 
 def _cache_dtype(name: str | None) -> Any:
