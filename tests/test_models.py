@@ -148,6 +148,7 @@ def test_left_padded_batch_equals_each_prompt_alone(pair):
         ids[i, T - len(p):] = p
         mask[i, T - len(p):] = 1
     out = model.generate(ids, 15, attention_mask=mask)
+    np.testing.assert_array_equal(out, hf_greedy(hf, ids, 15, mask))  # transformers, batched
     for i, p in enumerate(prompts):
         np.testing.assert_array_equal(out[i], model.generate(p[None], 15)[0],
                                       err_msg=f"row {i} differs from its prompt alone")
