@@ -108,6 +108,20 @@ def test_context_vocabulary_and_mask_limits(llama_dir):
     assert model.generate(ids, 0).shape == (2, 0)
 
 
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "int8", "int4"])
+def test_cache_dtype_goes_to_the_caches(dtype, tmp_path):
+    d = save_random_checkpoint(tmp_path, "llama", seed=3, hidden_size=128)  # head_dim 32
+    model = from_pretrained(d)
+    prompt = np.array([[3, 1, 4, 1, 5, 9, 2, 6]])
+    caches = model.new_caches(1, 8 + 10, dtype)
+    out = model.generate(prompt, 10, caches=caches)
+    assert out.shape == (1, 10) and ((0 <= out) & (out < model.vocab_size)).all()
+    assert all(getattr(c.dtype, "name", c.dtype) == dtype and len(c) == 17 for c in caches)
+    full = model.new_caches(1, 18)
+    assert caches[0].nbytes < full[0].nbytes
+    np.testing.assert_array_equal(model.generate(prompt, 10, cache_dtype=dtype), out)
+
+
 def test_eos_stops_and_fills(llama_dir):
     model = from_pretrained(llama_dir)
     prompt = np.array([[3, 1, 4, 1, 5]])

@@ -276,16 +276,6 @@ def cmd_show(args: argparse.Namespace) -> int:
     return _draw(args, w, tokens, tokens, f"{len(tokens)} tokens, {w.shape[0]} heads")
 
 
-def _cache_dtype(name: str | None) -> Any:
-    if name is None:
-        return None
-    if name == "bfloat16":
-        from manyheads.models._checkpoint import require_package
-
-        return require_package("ml_dtypes", "a bfloat16 cache").bfloat16
-    return name  # KVCache checks it and names what it accepts
-
-
 def cmd_generate(args: argparse.Namespace) -> int:
     try:
         t0 = time.perf_counter()
@@ -295,7 +285,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         if not ids:
             raise ValueError("the prompt has no tokens")
         n = args.max_new_tokens
-        caches = model.new_caches(1, len(ids) + n, _cache_dtype(args.cache_dtype)) if n else []
+        # the storage name goes to KVCache as it is; it checks it and names what it accepts
+        caches = model.new_caches(1, len(ids) + n, args.cache_dtype) if n else []
     except (OSError, ValueError, TypeError, ImportError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -349,7 +340,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         print(f"prompt: {len(ids)} tokens in {first * 1e3:.1f} ms (to the first new token); "
               f"generated {len(new)} tokens: {rate} after the first, {total:.1f} tokens/s "
               f"overall; KV cache {nbytes} bytes ({nbytes / 2**20:.2f} MiB, "
-              f"{caches[0].dtype.name})", file=sys.stderr)
+              f"{getattr(caches[0].dtype, 'name', caches[0].dtype)})", file=sys.stderr)
     return 0
 
 
@@ -436,7 +427,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     g.add_argument("--prompt", required=True,
                    help="the text (token ids such as \"1 2 3\" without tokenizer.json)")
     g.add_argument("--max-new-tokens", type=int, default=32)
-    g.add_argument("--cache-dtype", help="KV cache storage, e.g. float16 (default float32)")
+    g.add_argument("--cache-dtype", help="KV cache storage: float16, bfloat16, int8 or int4 "
+                                         "(default: float32, the model's own)")
     g.add_argument("--ignore-eos", action="store_true",
                    help="keep generating past the end-of-sequence token")
     args = parser.parse_args(argv)
