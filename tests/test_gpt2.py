@@ -1,4 +1,5 @@
-"""A Hugging Face GPT-2 (small random config, nothing downloaded) run with manyheads attention."""
+"""A live Hugging Face GPT-2 (small random config, nothing downloaded) run through
+``GPT2.from_transformers``: the same NumPy model as a checkpoint folder gives."""
 import numpy as np
 import pytest
 
@@ -32,21 +33,39 @@ def test_next_token_logits_equal_the_original(hf_model, rng):
     ids = rng.integers(0, 97, size=(2, 40))
     with torch.no_grad():
         ref = hf_model(torch.from_numpy(ids)).logits.numpy()
-    runner = GPT2(hf_model)
+    runner = GPT2.from_transformers(hf_model)
+    assert runner.tied_embeddings and runner.num_layers == 3
     np.testing.assert_allclose(runner.logits(ids), ref, rtol=0, atol=1e-4)
     # with the KV cache: prefill 30 tokens, then one at a time
     caches = runner.new_caches(2, 40)
-    parts = [runner.logits(ids[:, :30], 0, caches)]
-    parts += [runner.logits(ids[:, t:t + 1], t, caches) for t in range(30, 40)]
+    parts = [runner.logits(ids[:, :30], caches=caches)]
+    parts += [runner.logits(ids[:, t:t + 1], caches=caches) for t in range(30, 40)]
     np.testing.assert_allclose(np.concatenate(parts, axis=1), ref, rtol=0, atol=1e-4)
 
 
 def test_greedy_generation_of_20_tokens_is_identical(hf_model):
     prompt = [5, 17, 42, 8, 3, 91]
-    ours = GPT2(hf_model).generate(prompt, 20)
+    ours = GPT2.from_transformers(hf_model).generate([prompt], 20)
     tokens = list(prompt)
     with torch.no_grad():
         for _ in range(20):
             logits = hf_model(torch.tensor([tokens])).logits[0, -1]
             tokens.append(int(torch.argmax(logits)))
-    assert ours == tokens[len(prompt):]
+    assert ours.tolist() == [tokens[len(prompt):]]
+
+
+def test_from_transformers_equals_the_saved_checkpoint(hf_model, tmp_path):
+    pytest.importorskip("safetensors")
+    from manyheads.models import from_pretrained
+
+    hf_model.save_pretrained(tmp_path, safe_serialization=True)
+    ids = np.arange(50)[None] % 97
+    np.testing.assert_array_equal(from_pretrained(tmp_path).logits(ids),
+                                  GPT2.from_transformers(hf_model).logits(ids))
+
+
+def test_from_transformers_refuses_other_models():
+    cfg = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                   num_attention_heads=4, vocab_size=50)
+    with pytest.raises(TypeError, match="not a Hugging Face GPT-2 model"):
+        GPT2.from_transformers(transformers.LlamaForCausalLM(cfg))

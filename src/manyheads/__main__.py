@@ -1,9 +1,12 @@
-"""``python -m manyheads``: a demo on built-in defaults, ``bench`` and ``info``.
+"""``python -m manyheads``: a demo on built-in defaults, ``bench``, ``info``, ``show``
+and ``generate``.
 
     python -m manyheads            # demo: a 768-wide, 12-head layer on built-in text
     python -m manyheads bench      # compare with PyTorch, ONNX Runtime, OpenVINO, the oracle
     python -m manyheads info       # kernel path, OpenMP, threads
     python -m manyheads show --text "..." --out patterns.png   # every head's pattern
+    python -m manyheads show --model DIR --layer 5 --text "..."  # a checkpoint's layer
+    python -m manyheads generate --model DIR --prompt "..."    # greedy text, streamed
 """
 from __future__ import annotations
 
@@ -175,9 +178,83 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_show(args: argparse.Namespace) -> int:
+def _load_checkpoint(folder: str) -> tuple[Any, Any]:
+    """(model, tokenizer or None) of a checkpoint folder; the tokenizer is read from
+    ``tokenizer.json`` when there is one."""
+    import os
+
+    from manyheads.models import from_pretrained
+
+    model = from_pretrained(folder)
+    # one-time set-up of the first calls (SciPy's BLAS for products of many rows, the
+    # thread pool) belongs to loading, not to the prompt's time
+    model.logits([[0] * min(8, model.context_length)])
+    tok = None
+    tok_path = os.path.join(folder, "tokenizer.json")
+    if os.path.isfile(tok_path):
+        from manyheads.models._checkpoint import require_package
+
+        tok = require_package("tokenizers", "reading tokenizer.json").Tokenizer.from_file(tok_path)
+    return model, tok
+
+
+def _encode(tok: Any, text: str) -> list[int]:
+    """Token ids of ``text``: the tokenizer's, or whitespace-separated integers."""
+    if tok is not None:
+        return list(tok.encode(text).ids)
+    try:
+        return [int(t) for t in text.replace(",", " ").split()]
+    except ValueError:
+        raise ValueError("this checkpoint has no tokenizer.json: give the prompt as token ids, "
+                         f"e.g. \"1 2 3\" (got {text!r})") from None
+
+
+def _token_labels(tok: Any, ids: list[int]) -> list[str]:
+    if tok is None:
+        return [str(i) for i in ids]
+    return [tok.decode([i], skip_special_tokens=False) or tok.id_to_token(i) or str(i)
+            for i in ids]
+
+
+def _show_checkpoint(args: argparse.Namespace) -> int:
+    try:
+        model, tok = _load_checkpoint(args.model)
+        ids = _encode(tok, args.text)
+        if len(ids) < 2:
+            raise ValueError(f"show needs at least two tokens, the text has {len(ids)}")
+        layer = model.num_layers // 2 if args.layer is None else args.layer
+        w = model.attention_weights(np.array([ids]), layer)
+    except (OSError, ValueError, ImportError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    layer %= model.num_layers
+    print(f"{model}\nlayer {layer} of {model.num_layers}; {len(ids)} tokens")
+    return _draw(args, w, ids, _token_labels(tok, ids),
+                 f"{model.model_type} layer {layer}: {len(ids)} tokens, {w.shape[0]} heads")
+
+
+def _draw(args: argparse.Namespace, w: np.ndarray, tokens: Sequence[Any], labels: Sequence[Any],
+          title: str) -> int:
+    """Print the head roles of weights ``w`` (H, T, T) and write their picture."""
     from manyheads.plot import format_roles, head_roles, plot_attention
 
+    print(format_roles(head_roles(w, tokens)))
+    try:
+        fig = plot_attention(w, labels, scale=args.scale, title=title)
+    except ImportError as exc:
+        print(f"{exc}", file=sys.stderr)
+        return 2
+    fig.savefig(args.out, dpi=args.dpi)
+    print(f"wrote {args.out} (colour scale: {args.scale})")
+    return 0
+
+
+def cmd_show(args: argparse.Namespace) -> int:
+    if args.model:
+        return _show_checkpoint(args)
+    if args.layer is not None:
+        print("--layer needs --model (a checkpoint folder)", file=sys.stderr)
+        return 2
     if len(args.text.encode("utf-8")) < 2:
         print(f"show needs a text of at least two byte tokens (got {args.text!r}): attention "
               "patterns and head roles are about how a token looks back at earlier ones",
@@ -196,15 +273,74 @@ def cmd_show(args: argparse.Namespace) -> int:
         return 2
     _, w = layer(x, return_weights=True)
     print(f"{source}; {len(tokens)} byte tokens")
-    print(format_roles(head_roles(w, tokens)))
+    return _draw(args, w, tokens, tokens, f"{len(tokens)} tokens, {w.shape[0]} heads")
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
     try:
-        fig = plot_attention(w, tokens, scale=args.scale,
-                             title=f"{len(tokens)} tokens, {w.shape[0]} heads")
-    except ImportError as exc:
-        print(f"{exc}", file=sys.stderr)
+        t0 = time.perf_counter()
+        model, tok = _load_checkpoint(args.model)
+        load_s = time.perf_counter() - t0
+        ids = _encode(tok, args.prompt)
+        if not ids:
+            raise ValueError("the prompt has no tokens")
+        n = args.max_new_tokens
+        # the storage name goes to KVCache as it is; it checks it and names what it accepts
+        caches = model.new_caches(1, len(ids) + n, args.cache_dtype) if n else []
+    except (OSError, ValueError, TypeError, ImportError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
         return 2
-    fig.savefig(args.out, dpi=args.dpi)
-    print(f"wrote {args.out} (colour scale: {args.scale})")
+    print(f"{model}\nloaded in {load_s:.2f} s; kernel path {mh.kernel_isa()}, "
+          f"{mh.get_num_threads()} threads; prompt {len(ids)} tokens", file=sys.stderr)
+    eos = None if args.ignore_eos else model.eos_token_id
+    new: list[int] = []
+    shown = [""]
+    stamps: list[float] = []
+    # the text shown is the tokenizer's decoding without special tokens (BOS, EOS)
+    prompt_text = "" if tok is None else tok.decode(ids, skip_special_tokens=True)
+    out = sys.stdout
+    out.write(args.prompt if tok is None else prompt_text)
+    out.flush()
+
+    def on_token(step: int, tokens: np.ndarray) -> None:
+        stamps.append(time.perf_counter())
+        t = int(tokens[0])
+        if eos is not None and new and new[-1] == eos:
+            return  # the row has finished (generate pads it with the end token)
+        new.append(t)
+        if tok is None:
+            out.write(f" {t}")
+        else:
+            text = tok.decode(ids + new, skip_special_tokens=True)
+            # the new text is what follows the prompt's decoding (so that a word split
+            # into pieces reads right); a tokenizer that rewrites the prompt's text once
+            # more tokens follow gets the new tokens decoded on their own
+            text = text[len(prompt_text):] if text.startswith(prompt_text) else \
+                tok.decode(new, skip_special_tokens=True)
+            if not text.endswith("\ufffd"):  # wait for the rest of a multi-byte character
+                out.write(text[len(shown[0]):])
+                shown[0] = text
+        out.flush()
+
+    start = time.perf_counter()
+    try:
+        model.generate(np.array([ids]), n, eos_token_id=eos, callback=on_token, caches=caches)
+    except (ValueError, TypeError) as exc:
+        print(f"\nerror: {exc}", file=sys.stderr)
+        return 2
+    out.write("\n")
+    out.flush()
+    if stamps:
+        first = stamps[0] - start
+        rest = stamps[-1] - stamps[0]
+        rate = f"{(len(stamps) - 1) / rest:.1f} tokens/s" if len(stamps) > 1 and rest > 0 \
+            else "n/a"
+        total = len(stamps) / (stamps[-1] - start)
+        nbytes = sum(c.nbytes for c in caches)
+        print(f"prompt: {len(ids)} tokens in {first * 1e3:.1f} ms (to the first new token); "
+              f"generated {len(new)} tokens: {rate} after the first, {total:.1f} tokens/s "
+              f"overall; KV cache {nbytes} bytes ({nbytes / 2**20:.2f} MiB, "
+              f"{getattr(caches[0].dtype, 'name', caches[0].dtype)})", file=sys.stderr)
     return 0
 
 
@@ -277,13 +413,27 @@ def main(argv: Sequence[str] | None = None) -> int:
     sh.add_argument("--text", default="the cat sat on the mat. the cat sat on the mat.")
     sh.add_argument("--out", default="patterns.png", help="PNG file to write")
     sh.add_argument("--weights", help="a module saved with MultiHeadAttention.save")
+    sh.add_argument("--model", help="a checkpoint folder (config.json + *.safetensors): "
+                                    "draw one of its layers for the text's tokens")
+    sh.add_argument("--layer", type=int, help="with --model: the layer to draw (default: the "
+                                              "middle one; negative counts from the end)")
     sh.add_argument("--dpi", type=int, default=110)
     sh.add_argument("--scale", choices=("row", "power", "log", "linear"), default="row",
                     help="colour scale: each row divided by its largest weight (default), "
                          "a power (gamma 0.5) or log scale of the weights, or linear")
+    g = sub.add_parser("generate", help="greedy text from a checkpoint folder, streamed")
+    g.add_argument("--model", required=True,
+                   help="checkpoint folder: config.json, *.safetensors, tokenizer.json")
+    g.add_argument("--prompt", required=True,
+                   help="the text (token ids such as \"1 2 3\" without tokenizer.json)")
+    g.add_argument("--max-new-tokens", type=int, default=32)
+    g.add_argument("--cache-dtype", help="KV cache storage: float16, bfloat16, int8 or int4 "
+                                         "(default: float32, the model's own)")
+    g.add_argument("--ignore-eos", action="store_true",
+                   help="keep generating past the end-of-sequence token")
     args = parser.parse_args(argv)
     handlers = {None: cmd_demo, "demo": cmd_demo, "info": cmd_info, "bench": cmd_bench,
-                "show": cmd_show}
+                "show": cmd_show, "generate": cmd_generate}
     return handlers[args.command](args)
 
 

@@ -1,4 +1,66 @@
-"""Whole models run in NumPy with manyheads attention (torch-free where possible).
+"""Whole decoder models run in NumPy with manyheads attention, from checkpoint folders.
 
-* :mod:`manyheads.models.gpt2` - GPT-2, from a Hugging Face model's weights.
+:func:`from_pretrained` reads a Hugging Face style folder (``config.json`` plus
+``model.safetensors`` or its shards) with safetensors' NumPy API: torch is never
+imported.  One file per architecture:
+
+* :mod:`manyheads.models.gpt2` - GPT-2 (LayerNorm, GELU MLP, learned positions);
+* :mod:`manyheads.models.llama` - Llama, SmolLM, TinyLlama (RMSNorm, SwiGLU, rotary
+  embeddings, grouped-query attention);
+* :mod:`manyheads.models.qwen2` - Qwen2 and Qwen2.5 (Llama with q/k/v biases).
+
+Reading checkpoints needs the ``models`` extra (``safetensors``; ``ml_dtypes`` for
+bfloat16 files; ``tokenizers`` for the ``generate`` command's text prompts).
 """
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from ._checkpoint import Checkpoint, read_config
+from ._decoder import DecoderModel
+from .gpt2 import GPT2
+from .llama import Llama
+from .qwen2 import Qwen2
+
+__all__ = ["from_pretrained", "DecoderModel", "GPT2", "Llama", "Qwen2", "ARCHITECTURES"]
+
+#: model_type of config.json -> the class that runs it
+ARCHITECTURES: dict[str, type[Any]] = {"gpt2": GPT2, "llama": Llama, "qwen2": Qwen2}
+
+
+def from_pretrained(path: str | os.PathLike[str]) -> DecoderModel:
+    """The model of a checkpoint folder, weights in float32.
+
+    Parameters
+    ----------
+    path : str or path-like
+        A folder with ``config.json`` and ``model.safetensors`` (or shards listed
+        in ``model.safetensors.index.json``), e.g. one written by
+        ``save_pretrained`` or fetched with ``huggingface-cli download``.
+        float16 and bfloat16 weights are widened to float32 as they load.
+
+    Returns
+    -------
+    DecoderModel
+        With ``logits(ids)`` -> (B, T, vocab) float32 and
+        ``generate(ids, max_new_tokens)`` -> (B, max_new_tokens) token ids.
+
+    Raises
+    ------
+    FileNotFoundError
+        No such folder, no config.json, or no safetensors weights.
+    ValueError
+        An unsupported ``model_type`` or setting, a malformed config.json, or
+        weights that do not match the config.
+    ImportError
+        ``safetensors`` (or ``ml_dtypes`` for bfloat16) is not installed.
+    """
+    cfg = read_config(path)
+    kind = cfg["model_type"]
+    if kind not in ARCHITECTURES:
+        raise ValueError(f"model_type {kind!r} is not supported; supported: "
+                         f"{', '.join(sorted(ARCHITECTURES))}")
+    with Checkpoint(path) as ckpt:
+        model: DecoderModel = ARCHITECTURES[kind](cfg, ckpt)
+    return model

@@ -1,110 +1,185 @@
-"""GPT-2 run in NumPy with every attention layer on manyheads.
+"""GPT-2 in NumPy with every attention layer on manyheads.
 
-:class:`GPT2` takes a Hugging Face ``GPT2LMHeadModel`` (torch is needed only
-to read its weights): embeddings, LayerNorms and MLPs are NumPy; each block's
-attention is a fused :class:`~manyheads.MultiHeadAttention` fed a KV cache
-when decoding.  float32 throughout.
+A block is ``x + attn(ln_1(x))`` then ``x + proj(gelu(fc(ln_2(x))))`` with LayerNorms
+(weight and bias) and learned absolute position embeddings.  GPT-2 checkpoints store
+their projections as ``Conv1D`` weights, already (in, out): they are used as they are.
+The query, key and value projection is one (d, 3d) matrix, which is exactly the fused
+module's packed ``W_qkv``.
+
+:func:`manyheads.models.from_pretrained` reads a checkpoint folder (no torch);
+:meth:`GPT2.from_transformers` takes a live Hugging Face ``GPT2LMHeadModel`` instead and
+reads its state dict into the same arrays.
 """
 from __future__ import annotations
 
-from typing import Any, TypedDict
+from typing import Any
 
 import numpy as np
 
+from ..cache import KVCache
 from ..functional import linear
-from ..interop import tensor_to_numpy
 from ..modules import MultiHeadAttention
+from ._checkpoint import ArrayTensors, TensorSource, config_float, config_int
+from ._decoder import DecoderModel, eos_of, layer_norm
 
-__all__ = ["GPT2"]
+__all__ = ["GPT2", "GPT2Block"]
 
-
-class _Block(TypedDict):
-    """One transformer block of :class:`GPT2`: LayerNorm (weight, bias) pairs, attention, MLP."""
-
-    ln1: tuple[np.ndarray, np.ndarray]
-    attn: MultiHeadAttention
-    ln2: tuple[np.ndarray, np.ndarray]
-    fc: tuple[np.ndarray, np.ndarray]
-    proj: tuple[np.ndarray, np.ndarray]
+_SQRT_2_OVER_PI = np.float32(0.7978845608028654)
+_TANH_GELUS = ("gelu_new", "gelu_pytorch_tanh", "gelu_fast")
+ACTIVATIONS = _TANH_GELUS + ("gelu",)
 
 
-class GPT2:
-    """A Hugging Face ``GPT2LMHeadModel`` run in NumPy, every attention layer on manyheads.
+def gelu_tanh(x: np.ndarray) -> np.ndarray:
+    """GELU's tanh form, ``0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))``, in place."""
+    t = np.square(x)
+    t *= np.float32(0.044715)
+    t += np.float32(1.0)
+    t *= x
+    t *= _SQRT_2_OVER_PI
+    np.tanh(t, out=t)
+    t += np.float32(1.0)
+    x *= t
+    x *= np.float32(0.5)
+    return x
 
-    Embeddings, LayerNorms and GELU are NumPy; the MLP and LM-head products
-    run through :func:`manyheads.linear` on the same threads as the attention;
-    each block's attention is a fused :class:`~manyheads.MultiHeadAttention`
-    imported with ``from_torch`` and fed a KV cache when decoding.  float32
-    throughout.
 
-    >>> runner = GPT2(hf_model)                     # doctest: +SKIP
-    >>> tokens = runner.generate([464, 3290], 20)   # greedy, with the KV cache
+def gelu_erf(x: np.ndarray) -> np.ndarray:
+    """The exact GELU, ``x Phi(x)`` with the normal CDF through erf, in place."""
+    from scipy.special import erf  # type: ignore[import-untyped]
+
+    t = x * np.float32(0.7071067811865476)
+    erf(t, out=t)
+    t += np.float32(1.0)
+    x *= t
+    x *= np.float32(0.5)
+    return x
+
+
+class GPT2Block:
+    """One GPT-2 block: LayerNorm, attention, residual; LayerNorm, GELU MLP, residual."""
+
+    def __init__(self, attn: MultiHeadAttention, ln_1: tuple[np.ndarray, np.ndarray],
+                 ln_2: tuple[np.ndarray, np.ndarray], fc: tuple[np.ndarray, np.ndarray],
+                 proj: tuple[np.ndarray, np.ndarray], eps: float, exact_gelu: bool) -> None:
+        self.attn = attn
+        self.ln_1, self.ln_2, self.fc, self.proj = ln_1, ln_2, fc, proj
+        self.eps = eps
+        self.gelu = gelu_erf if exact_gelu else gelu_tanh
+
+    def attention_input(self, x: np.ndarray) -> np.ndarray:
+        return layer_norm(x, *self.ln_1, self.eps)
+
+    def __call__(self, x: np.ndarray, cache: KVCache | None,
+                 pad: np.ndarray | None) -> np.ndarray:
+        x += self.attn(layer_norm(x, *self.ln_1, self.eps), cache=cache, key_padding_mask=pad)
+        h = self.gelu(linear(layer_norm(x, *self.ln_2, self.eps), *self.fc))
+        x += linear(h, *self.proj)
+        return x
+
+
+class GPT2(DecoderModel):
+    """A GPT-2 checkpoint (``model_type`` gpt2).
+
+    Build it with :func:`manyheads.models.from_pretrained` (a folder) or
+    :meth:`from_transformers` (a live Hugging Face model); ``logits`` and
+    ``generate`` are :class:`~manyheads.models._decoder.DecoderModel`'s.
     """
 
-    def __init__(self, model: Any) -> None:
-        tr = getattr(model, "transformer", model)
-        cfg = model.config
-        if getattr(cfg, "activation_function", "gelu_new") not in ("gelu_new", "gelu_pytorch_tanh"):
-            raise ValueError(f"unsupported activation {cfg.activation_function!r}")
-        f32 = np.float32
-        self.eps = float(cfg.layer_norm_epsilon)
-        self.n_positions = int(cfg.n_positions)
-        self.wte = tensor_to_numpy(tr.wte.weight, f32)
-        self.wpe = tensor_to_numpy(tr.wpe.weight, f32)
-        lm_head = getattr(model, "lm_head", None)
-        self.head = self.wte.T.copy() if lm_head is None else tensor_to_numpy(lm_head.weight, f32).T.copy()
-        self.blocks: list[_Block] = []
-        for blk in tr.h:
-            self.blocks.append({
-                "ln1": (tensor_to_numpy(blk.ln_1.weight, f32), tensor_to_numpy(blk.ln_1.bias, f32)),
-                "attn": MultiHeadAttention.from_torch(blk.attn, context_length=self.n_positions),
-                "ln2": (tensor_to_numpy(blk.ln_2.weight, f32), tensor_to_numpy(blk.ln_2.bias, f32)),
-                "fc": (tensor_to_numpy(blk.mlp.c_fc.weight, f32), tensor_to_numpy(blk.mlp.c_fc.bias, f32)),
-                "proj": (tensor_to_numpy(blk.mlp.c_proj.weight, f32), tensor_to_numpy(blk.mlp.c_proj.bias, f32)),
-            })
-        self.ln_f = (tensor_to_numpy(tr.ln_f.weight, f32), tensor_to_numpy(tr.ln_f.bias, f32))
+    model_type = "gpt2"
+    learned_positions = True
 
-    def _ln(self, x: np.ndarray, p: tuple[np.ndarray, np.ndarray]) -> np.ndarray:
-        mu = x.mean(-1, keepdims=True)
-        var = ((x - mu) ** 2).mean(-1, keepdims=True)
-        y: np.ndarray = (x - mu) / np.sqrt(var + self.eps) * p[0] + p[1]
-        return y
+    def __init__(self, cfg: dict[str, Any], ckpt: TensorSource) -> None:
+        self.vocab_size = config_int(cfg, "vocab_size")
+        d = self.d_model = config_int(cfg, "n_embd", "hidden_size")
+        self.num_layers = config_int(cfg, "n_layer", "num_hidden_layers")
+        H = self.num_heads = self.num_kv_heads = config_int(cfg, "n_head", "num_attention_heads")
+        self.context_length = config_int(cfg, "n_positions", "max_position_embeddings")
+        self.d_ff = config_int(cfg, "n_inner", default=4 * d)
+        self.eps = config_float(cfg, "layer_norm_epsilon", default=1e-5)
+        if d % H:
+            raise ValueError(f"malformed config.json: n_embd {d} is not a multiple of n_head {H}")
+        self.head_dim = d // H
+        act = cfg.get("activation_function", "gelu_new")
+        if act not in ACTIVATIONS:
+            raise ValueError(f"activation_function {act!r} is not supported: one of "
+                             f"{', '.join(ACTIVATIONS)}")
+        self.activation = str(act)
+        if cfg.get("add_cross_attention"):
+            raise ValueError("GPT-2 with cross-attention is not a decoder-only model")
+        self.tied_embeddings = bool(cfg.get("tie_word_embeddings", True))
+        self.eos_token_id = eos_of(cfg)
+        scale_weights = bool(cfg.get("scale_attn_weights", True))
+        by_layer = bool(cfg.get("scale_attn_by_inverse_layer_idx", False))
 
-    @staticmethod
-    def _gelu(x: np.ndarray) -> np.ndarray:
-        y: np.ndarray = 0.5 * x * (1.0 + np.tanh(np.float32(0.7978845608028654)
-                                                 * (x + 0.044715 * x**3)))
-        return y
+        p = "transformer." if "transformer.wte.weight" in ckpt else ""
+        wte = ckpt.get(p + "wte.weight", (self.vocab_size, d))
+        self.wpe = ckpt.get(p + "wpe.weight", (self.context_length, d))
+        if self.tied_embeddings:
+            self.head = np.ascontiguousarray(wte.T)
+            self.wte: np.ndarray | None = None  # rows are read from the head's columns
+        else:
+            self.head = ckpt.linear("lm_head.weight", d, self.vocab_size)
+            self.wte = wte
+        del wte
+        self.blocks: list[GPT2Block] = []
+        for i in range(self.num_layers):
+            b = f"{p}h.{i}."
+            scale = None  # 1/sqrt(head_dim), the module's default
+            if by_layer or not scale_weights:
+                scale = (self.head_dim ** -0.5 if scale_weights else 1.0) / (i + 1 if by_layer
+                                                                            else 1)
+            attn = MultiHeadAttention(d, d, self.context_length, 0.0, H, qkv_bias=True,
+                                      scale=scale, seed=0)
+            attn.W_qkv[...] = ckpt.get(b + "attn.c_attn.weight", (d, 3 * d))
+            assert attn.b_qkv is not None
+            attn.b_qkv[...] = ckpt.get(b + "attn.c_attn.bias", (3 * d,))
+            attn.W_out[...] = ckpt.get(b + "attn.c_proj.weight", (d, d))
+            attn.b_out[...] = ckpt.get(b + "attn.c_proj.bias", (d,))
+            self.blocks.append(GPT2Block(
+                attn,
+                (ckpt.get(b + "ln_1.weight", (d,)), ckpt.get(b + "ln_1.bias", (d,))),
+                (ckpt.get(b + "ln_2.weight", (d,)), ckpt.get(b + "ln_2.bias", (d,))),
+                (ckpt.get(b + "mlp.c_fc.weight", (d, self.d_ff)),
+                 ckpt.get(b + "mlp.c_fc.bias", (self.d_ff,))),
+                (ckpt.get(b + "mlp.c_proj.weight", (self.d_ff, d)),
+                 ckpt.get(b + "mlp.c_proj.bias", (d,))),
+                self.eps, exact_gelu=self.activation == "gelu"))
+        self.ln_f = (ckpt.get(p + "ln_f.weight", (d,)), ckpt.get(p + "ln_f.bias", (d,)))
 
-    def new_caches(self, batch_size: int, max_len: int) -> list[Any]:
-        return [b["attn"].new_cache(batch_size, max_len) for b in self.blocks]
+    @classmethod
+    def from_transformers(cls, model: Any) -> "GPT2":
+        """The same model built from a live Hugging Face ``GPT2LMHeadModel`` (or
+        ``GPT2Model``): its config and state dict are copied into NumPy arrays."""
+        from ..interop import tensor_to_numpy
 
-    def logits(self, ids: Any, start: int = 0, caches: list[Any] | None = None, *,
-               last_only: bool = False) -> np.ndarray:
-        """Logits (B, T, vocab) for token ids (B, T) at positions start.. (caches hold the rest).
+        cfg = model.config.to_dict()
+        cfg.setdefault("model_type", "gpt2")
+        arrays = {k: tensor_to_numpy(v, np.float32) for k, v in model.state_dict().items()}
+        if "transformer.wte.weight" not in arrays and "wte.weight" not in arrays:
+            raise TypeError(f"{type(model).__name__} is not a Hugging Face GPT-2 model "
+                            "(no wte.weight in its state dict)")
+        return cls(cfg, ArrayTensors(arrays))
 
-        ``last_only`` computes the logits of the last position only, (B, 1, vocab).
-        """
-        ids = np.atleast_2d(np.asarray(ids))
-        x = self.wte[ids] + self.wpe[start:start + ids.shape[1]]
-        for i, b in enumerate(self.blocks):
-            h = b["attn"](self._ln(x, b["ln1"]), cache=None if caches is None else caches[i])
-            x = x + h
-            m = self._gelu(linear(self._ln(x, b["ln2"]), *b["fc"]))
-            x = x + linear(m, *b["proj"])
-        if last_only:
-            x = x[:, -1:]
-        return linear(self._ln(x, self.ln_f), self.head)
+    def _embed(self, ids: np.ndarray, positions: np.ndarray | None) -> np.ndarray:
+        assert positions is not None
+        x: np.ndarray
+        if self.wte is not None:
+            x = self.wte[ids]
+        else:
+            x = np.ascontiguousarray(np.moveaxis(self.head[:, ids], 0, -1))
+        x += self.wpe[positions]
+        return x
 
-    def generate(self, prompt: Any, n: int) -> list[int]:
-        """Greedy decoding of n tokens after the prompt, with the KV cache."""
-        tokens = [int(t) for t in prompt]
-        caches = self.new_caches(1, len(tokens) + n)
-        logits = self.logits([tokens], 0, caches, last_only=True)[0, -1]
-        out: list[int] = []
-        for step in range(n):
-            out.append(int(np.argmax(logits)))
-            if step + 1 < n:
-                logits = self.logits([[out[-1]]], len(tokens) + step, caches,
-                                     last_only=True)[0, -1]
-        return out
+    def _final_norm(self, x: np.ndarray) -> np.ndarray:
+        return layer_norm(x, *self.ln_f, self.eps)
+
+    def _describe(self) -> str:
+        return f"LayerNorm, {self.activation} MLP, learned positions"
+
+    def parameters(self) -> list[np.ndarray]:
+        ps = [self.head, self.wpe, *self.ln_f] + ([] if self.wte is None else [self.wte])
+        for b in self.blocks:
+            assert b.attn.b_qkv is not None
+            ps += [b.attn.W_qkv, b.attn.b_qkv, b.attn.W_out, b.attn.b_out, *b.ln_1, *b.ln_2,
+                   *b.fc, *b.proj]
+        return ps

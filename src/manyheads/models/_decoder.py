@@ -1,0 +1,318 @@
+"""What every decoder-only model here shares: checked token input, caches, logits, greedy
+generation, the attention weights of one layer, and the repr.
+
+An architecture (``gpt2``, ``llama``, ``qwen2``) supplies the token embedding, its blocks
+and its final norm; each block owns one fused :class:`~manyheads.MultiHeadAttention`, so
+the attention, its KV cache and the grouped-query sharing are manyheads' own.  Every
+matrix product of the rest of the model runs through :func:`manyheads.linear`, on the
+same threads as the attention.
+
+Padding: ``attention_mask`` follows Hugging Face, shape (B, T) with 1 for a real token and
+0 for padding, and only left padding (each row's padding before its tokens); inside, it
+becomes the modules' ``key_padding_mask`` (True = padding).  Absolute position embeddings
+(GPT-2) count each row's real tokens only, as Hugging Face's ``generate`` does; rotary
+embeddings see the padded slot positions, which shifts every position of a row by the
+same amount and so leaves its attention scores as they are (rotary scores depend only on
+the distance between query and key).
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Protocol, Sequence
+
+import numpy as np
+
+from ..cache import KVCache
+from ..functional import linear
+from ..modules import MultiHeadAttention
+
+__all__ = ["DecoderModel", "Block", "rms_norm", "layer_norm", "eos_of"]
+
+
+def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
+    """``weight * x / sqrt(mean(x**2) + eps)`` over the last axis (one new array)."""
+    y: np.ndarray = np.square(x)
+    ms = y.mean(axis=-1, keepdims=True)
+    ms += eps
+    np.sqrt(ms, out=ms)
+    np.divide(x, ms, out=y)
+    y *= weight
+    return y
+
+
+def layer_norm(x: np.ndarray, weight: np.ndarray, bias: np.ndarray, eps: float) -> np.ndarray:
+    """LayerNorm over the last axis: ``(x - mean) / sqrt(var + eps) * weight + bias``."""
+    mu = x.mean(axis=-1, keepdims=True)
+    y: np.ndarray = x - mu
+    var = np.square(y).mean(axis=-1, keepdims=True)
+    var += eps
+    np.sqrt(var, out=var)
+    y /= var
+    y *= weight
+    y += bias
+    return y
+
+
+def eos_of(cfg: dict[str, Any]) -> int | None:
+    """The config's end-of-sequence id (the first of a list), or None."""
+    eos = cfg.get("eos_token_id")
+    if isinstance(eos, list) and eos:
+        eos = eos[0]
+    return eos if isinstance(eos, int) and not isinstance(eos, bool) else None
+
+
+class Block(Protocol):
+    """One transformer block: ``attn`` plus whatever surrounds it."""
+
+    attn: MultiHeadAttention
+
+    def attention_input(self, x: np.ndarray) -> np.ndarray:
+        """What the attention of this block reads (the normed residual stream)."""
+        ...
+
+    def __call__(self, x: np.ndarray, cache: KVCache | None,
+                 pad: np.ndarray | None) -> np.ndarray:
+        """The residual stream after this block (x may be updated in place)."""
+        ...
+
+
+class DecoderModel:
+    """A decoder-only language model run in NumPy with manyheads attention.
+
+    Made by :func:`manyheads.models.from_pretrained`.  Token ids are integer arrays of
+    shape (B, T) (or (T,), a batch of one); results are always batched.
+
+    Attributes
+    ----------
+    model_type : str
+        The checkpoint's ``model_type`` (``"gpt2"``, ``"llama"``, ``"qwen2"``).
+    vocab_size, context_length, d_model, num_layers, num_heads, num_kv_heads, head_dim : int
+    blocks : list
+        One block per layer; ``blocks[i].attn`` is its
+        :class:`~manyheads.MultiHeadAttention`.
+    """
+
+    model_type: str
+    vocab_size: int
+    context_length: int
+    d_model: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    d_ff: int
+    tied_embeddings: bool
+    blocks: Sequence[Block]
+    head: np.ndarray  # (d_model, vocab): the LM head in x @ W form, contiguous
+    eos_token_id: int | None = None
+    learned_positions = False  # True: _embed reads the tokens' absolute positions
+
+    # -- supplied by each architecture -------------------------------------------------
+    def _embed(self, ids: np.ndarray, positions: np.ndarray | None) -> np.ndarray:
+        """(B, T, d_model) float32 input of the first block, a new array (the blocks
+        update it in place); ``positions`` only with ``learned_positions``."""
+        raise NotImplementedError
+
+    def _final_norm(self, x: np.ndarray) -> np.ndarray:
+        raise NotImplementedError
+
+    def _describe(self) -> str:
+        """Architecture-specific part of the repr (norm, MLP, positions)."""
+        return ""
+
+    # -- shared -------------------------------------------------------------------------
+    def __repr__(self) -> str:
+        n_params = sum(int(np.prod(p.shape)) for p in self.parameters())
+        kv = f"{self.num_kv_heads} kv heads, " if self.num_kv_heads != self.num_heads else ""
+        tied = ", tied embeddings" if self.tied_embeddings else ""
+        extra = self._describe()
+        return (f"{type(self).__name__}(model_type={self.model_type!r}: {self.num_layers} layers, "
+                f"d_model={self.d_model}, {self.num_heads} heads of {self.head_dim}, {kv}"
+                f"MLP {self.d_ff}, vocab {self.vocab_size}, context {self.context_length}"
+                f"{tied}{', ' + extra if extra else ''}; {n_params / 1e6:.2f}M parameters, "
+                f"float32)")
+
+    def parameters(self) -> list[np.ndarray]:
+        """Every weight array of the model (each stored once)."""
+        raise NotImplementedError
+
+    def new_caches(self, batch_size: int, max_len: int, dtype: Any = None) -> list[KVCache]:
+        """One empty :class:`~manyheads.KVCache` per layer (``dtype`` is passed through)."""
+        return [b.attn.new_cache(batch_size, max_len, dtype) for b in self.blocks]
+
+    def _check_ids(self, ids: Any) -> np.ndarray:
+        arr = np.asarray(ids)
+        if arr.ndim == 1:
+            arr = arr[None]
+        if arr.ndim != 2:
+            raise ValueError(f"ids must have shape (batch, tokens) or (tokens,), got {arr.shape}")
+        if arr.size and not np.issubdtype(arr.dtype, np.integer):
+            raise TypeError(f"ids must be integer token ids, got dtype {arr.dtype}")
+        if arr.shape[1] == 0 or arr.shape[0] == 0:
+            raise ValueError(f"ids must hold at least one token per row, got shape {arr.shape}")
+        lo, hi = int(arr.min()), int(arr.max())
+        if lo < 0 or hi >= self.vocab_size:
+            bad = lo if lo < 0 else hi
+            raise ValueError(f"token id {bad} is outside the vocabulary: ids must be in "
+                             f"[0, {self.vocab_size - 1}] (vocab_size={self.vocab_size})")
+        return arr.astype(np.intp, copy=False)
+
+    def _check_mask(self, attention_mask: Any, shape: tuple[int, int],
+                    past: int) -> np.ndarray | None:
+        """The padding (True = pad) of an HF-style mask, or None when nothing is padded."""
+        if attention_mask is None:
+            return None
+        m = np.asarray(attention_mask)
+        if m.ndim == 1 and shape[0] == 1:
+            m = m[None]
+        if m.shape != shape:
+            raise ValueError(f"attention_mask must have the shape of ids {shape}, got {m.shape}")
+        if not (m.dtype == np.bool_ or np.issubdtype(m.dtype, np.integer)) or \
+                not np.isin(m, (0, 1)).all():
+            raise ValueError("attention_mask must hold 1 (token) and 0 (padding) only")
+        real = m.astype(bool)
+        if real.all():
+            return None
+        if past:
+            raise ValueError("attention_mask may mark padding only in the first call on a "
+                             "cache (left padding of the prompts)")
+        empty = ~real.any(axis=1)
+        if empty.any():
+            raise ValueError(f"attention_mask leaves rows {np.flatnonzero(empty).tolist()} "
+                             "without any token")
+        if (np.diff(real.astype(np.int8), axis=1) < 0).any():
+            raise ValueError("attention_mask must be left padding: each row's zeros come "
+                             "before its tokens")
+        return ~real
+
+    def _check_room(self, past: int, new: int) -> None:
+        if past + new > self.context_length:
+            raise ValueError(
+                f"{past + new} tokens ({past} already cached + {new} new) exceed the "
+                f"model's context length {self.context_length}")
+
+    def _positions(self, caches: list[KVCache] | None, pad: np.ndarray | None,
+                   shape: tuple[int, int]) -> np.ndarray:
+        """(B, T) absolute positions of the new tokens, counting each row's real tokens."""
+        B, T = shape
+        if caches is None or not len(caches[0]):
+            start = np.zeros((B, 1), dtype=np.intp)
+        else:
+            c = caches[0]
+            start = (len(c) - c.padding[:, :len(c)].sum(axis=1)).astype(np.intp)[:, None]
+        if pad is None:
+            return start + np.arange(T, dtype=np.intp)[None, :]
+        counted = np.cumsum(~pad, axis=1, dtype=np.intp) - 1
+        return start + np.maximum(counted, 0)
+
+    def hidden_states(self, ids: Any, *, attention_mask: Any = None,
+                      caches: list[KVCache] | None = None, stop_at: int | None = None
+                      ) -> tuple[np.ndarray, np.ndarray | None]:
+        """The residual stream (B, T, d_model) after the blocks before ``stop_at`` (all by
+        default), and the padding mask (True = pad) or None."""
+        arr = self._check_ids(ids)
+        if caches is not None and len(caches) != self.num_layers:
+            raise ValueError(f"caches must be a list of {self.num_layers} KVCache "
+                             f"(model.new_caches()), got {len(caches)}")
+        past = 0 if caches is None else len(caches[0])
+        self._check_room(past, arr.shape[1])
+        pad = self._check_mask(attention_mask, arr.shape, past)
+        x = self._embed(arr, self._positions(caches, pad, arr.shape)
+                        if self.learned_positions else None)
+        for i, block in enumerate(self.blocks[:stop_at]):
+            x = block(x, None if caches is None else caches[i], pad)
+        return x, pad
+
+    def logits(self, ids: Any, *, attention_mask: Any = None,
+               caches: list[KVCache] | None = None, last_only: bool = False) -> np.ndarray:
+        """Next-token logits, float32 (B, T, vocab) (or (B, 1, vocab) with ``last_only``).
+
+        Parameters
+        ----------
+        ids : int array (B, T) or (T,)
+            Token ids in ``[0, vocab_size)``.
+        attention_mask : array (B, T) of 0/1, optional
+            Hugging Face's convention: 1 = token, 0 = padding (left padding only).
+        caches : list of KVCache, optional
+            From :meth:`new_caches`: the ids continue the tokens already cached
+            (their keys and values are appended).
+        last_only : bool
+            Compute the logits of the last position only (what generation needs).
+        """
+        x, _ = self.hidden_states(ids, attention_mask=attention_mask, caches=caches)
+        if last_only:
+            x = x[:, -1:]
+        return linear(self._final_norm(x), self.head)
+
+    def generate(self, ids: Any, max_new_tokens: int, *, cache_dtype: Any = None,
+                 attention_mask: Any = None, eos_token_id: int | None = None,
+                 callback: Callable[[int, np.ndarray], None] | None = None,
+                 caches: list[KVCache] | None = None) -> np.ndarray:
+        """Greedy decoding with a KV cache; returns only the new ids, (B, max_new_tokens) int64.
+
+        Parameters
+        ----------
+        ids : int array (B, T) or (T,)
+            The prompts; a batch of different lengths is left-padded and
+            described by ``attention_mask`` (each row then generates exactly what
+            it would alone).
+        max_new_tokens : int
+            Tokens to generate per row; prompt plus new tokens must fit the
+            context length.
+        cache_dtype : optional
+            Storage type of the KV caches, passed to :meth:`manyheads.KVCache`
+            (default: float32).
+        attention_mask : array (B, T) of 0/1, optional
+            1 = token, 0 = left padding (Hugging Face's convention).
+        eos_token_id : int, optional
+            Stop when every row has produced it; a finished row is filled with
+            it from there on.  None (default): always ``max_new_tokens`` steps.
+        callback : callable(step, tokens), optional
+            Called with each step's new tokens (B,) as soon as they are chosen.
+        caches : list of KVCache, optional
+            Empty caches from :meth:`new_caches` to use (and inspect afterwards,
+            e.g. their ``nbytes``); by default fresh ones are made.
+        """
+        arr = self._check_ids(ids)
+        n = int(max_new_tokens)
+        if isinstance(max_new_tokens, bool) or n != max_new_tokens or n < 0:
+            raise ValueError(f"max_new_tokens must be a non-negative int, got {max_new_tokens!r}")
+        B, T = arr.shape
+        self._check_room(0, T + n)
+        out = np.empty((B, n), dtype=np.int64)
+        if n == 0:
+            return out
+        if caches is None:
+            caches = self.new_caches(B, T + n, cache_dtype)
+        elif len(caches) != self.num_layers or any(len(c) for c in caches):
+            raise ValueError(f"caches must be {self.num_layers} empty caches from new_caches()")
+        logits = self.logits(arr, attention_mask=attention_mask, caches=caches,
+                             last_only=True)
+        done = np.zeros(B, dtype=bool)
+        for step in range(n):
+            tok = np.argmax(logits[:, -1], axis=-1).astype(np.int64)
+            if eos_token_id is not None:
+                tok[done] = eos_token_id
+                done |= tok == eos_token_id
+            out[:, step] = tok
+            if callback is not None:
+                callback(step, tok)
+            if eos_token_id is not None and done.all():
+                out[:, step + 1:] = eos_token_id
+                break
+            if step + 1 < n:
+                logits = self.logits(tok[:, None], caches=caches, last_only=True)
+        return out
+
+    def attention_weights(self, ids: Any, layer: int) -> np.ndarray:
+        """Every head's attention weights of layer ``layer`` for one sequence: (H, T, T)."""
+        arr = self._check_ids(ids)
+        if arr.shape[0] != 1:
+            raise ValueError(f"attention_weights takes one sequence, got a batch of {arr.shape[0]}")
+        if not -self.num_layers <= layer < self.num_layers:
+            raise ValueError(f"layer must be in [0, {self.num_layers - 1}], got {layer}")
+        layer %= self.num_layers
+        x, _ = self.hidden_states(arr, stop_at=layer)
+        block = self.blocks[layer]
+        _, w = block.attn(block.attention_input(x), return_weights=True)
+        weights: np.ndarray = w[0]
+        return weights

@@ -1,0 +1,223 @@
+"""Checkpoint folders without torch: the errors, the torch-free road, the random writer."""
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+pytest.importorskip("safetensors")
+
+from manyheads.models import from_pretrained  # noqa: E402
+from manyheads.models.random import save_random_checkpoint  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory):
+    return save_random_checkpoint(tmp_path_factory.mktemp("llama"), "llama", seed=1,
+                                  max_position_embeddings=64)
+
+
+def _edit_config(folder, **changes):
+    path = os.path.join(folder, "config.json")
+    cfg = json.load(open(path))
+    cfg.update(changes)
+    json.dump(cfg, open(path, "w"))
+
+
+def _copy(src, dst):
+    os.makedirs(dst)
+    for name in os.listdir(src):
+        with open(os.path.join(src, name), "rb") as f, open(os.path.join(dst, name), "wb") as g:
+            g.write(f.read())
+    return str(dst)
+
+
+def test_missing_folder_config_or_weights(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no checkpoint folder"):
+        from_pretrained(tmp_path / "nowhere")
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        from_pretrained(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    with pytest.raises(FileNotFoundError, match="safetensors"):
+        from_pretrained(tmp_path)
+
+
+def test_unsupported_model_type_names_the_supported_ones(llama_dir, tmp_path):
+    d = _copy(llama_dir, tmp_path / "bert")
+    _edit_config(d, model_type="bert")
+    with pytest.raises(ValueError, match="'bert'.*gpt2, llama, qwen2"):
+        from_pretrained(d)
+
+
+@pytest.mark.parametrize("text, match", [
+    ("{not json", "malformed config.json"),
+    ("[1, 2]", "malformed config.json in .*: expected a JSON object"),
+    ('{"hidden_size": 64}', "no 'model_type'"),
+])
+def test_malformed_config_json(llama_dir, tmp_path, text, match):
+    d = _copy(llama_dir, tmp_path / "bad")
+    with open(os.path.join(d, "config.json"), "w") as f:
+        f.write(text)
+    with pytest.raises(ValueError, match=match):
+        from_pretrained(d)
+
+
+@pytest.mark.parametrize("changes, match", [
+    ({"hidden_size": "64"}, "'hidden_size' must be an integer"),
+    ({"num_hidden_layers": 0}, "'num_hidden_layers' must be an integer >= 1"),
+    ({"vocab_size": None, "hidden_size": 64}, "missing 'vocab_size'"),
+    ({"num_key_value_heads": 3}, "not a multiple of num_key_value_heads"),
+    ({"rope_theta": -1.0}, "'rope_theta' must be a positive number"),
+    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rotary scaling 'yarn'"),
+    ({"hidden_act": "gelu"}, "hidden_act 'gelu' is not supported"),
+    ({"intermediate_size": 100}, "has shape .* the config implies"),
+])
+def test_config_values_are_checked(llama_dir, tmp_path, changes, match):
+    d = _copy(llama_dir, tmp_path / "bad")
+    _edit_config(d, **changes)
+    with pytest.raises(ValueError, match=match):
+        from_pretrained(d)
+
+
+def test_context_vocabulary_and_mask_limits(llama_dir):
+    model = from_pretrained(llama_dir)
+    assert model.context_length == 64
+    with pytest.raises(ValueError, match="exceed the model's context length 64"):
+        model.generate(np.arange(60)[None], 5)
+    with pytest.raises(ValueError, match="context length 64"):
+        model.logits(np.zeros((1, 65), dtype=int))
+    model.generate(np.arange(60)[None], 4)  # exactly the context: fine
+    with pytest.raises(ValueError, match=r"token id 320 is outside the vocabulary.*\[0, 319\]"):
+        model.logits([[1, 2, 320]])
+    with pytest.raises(ValueError, match="token id -1 is outside the vocabulary"):
+        model.generate([[-1, 2]], 3)
+    with pytest.raises(TypeError, match="integer token ids"):
+        model.logits([[1.0, 2.0]])
+    ids = np.array([[1, 2, 3], [4, 5, 6]])
+    with pytest.raises(ValueError, match="left padding"):
+        model.generate(ids, 2, attention_mask=[[1, 1, 0], [1, 1, 1]])
+    with pytest.raises(ValueError, match="without any token"):
+        model.generate(ids, 2, attention_mask=[[0, 0, 0], [1, 1, 1]])
+    with pytest.raises(ValueError, match="the shape of ids"):
+        model.generate(ids, 2, attention_mask=[[1, 1], [1, 1]])
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        model.generate(ids, -1)
+    assert model.generate(ids, 0).shape == (2, 0)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "int8", "int4"])
+def test_cache_dtype_goes_to_the_caches(dtype, tmp_path):
+    d = save_random_checkpoint(tmp_path, "llama", seed=3, hidden_size=128)  # head_dim 32
+    model = from_pretrained(d)
+    prompt = np.array([[3, 1, 4, 1, 5, 9, 2, 6]])
+    caches = model.new_caches(1, 8 + 10, dtype)
+    out = model.generate(prompt, 10, caches=caches)
+    assert out.shape == (1, 10) and ((0 <= out) & (out < model.vocab_size)).all()
+    assert all(getattr(c.dtype, "name", c.dtype) == dtype and len(c) == 17 for c in caches)
+    full = model.new_caches(1, 18)
+    assert caches[0].nbytes < full[0].nbytes
+    np.testing.assert_array_equal(model.generate(prompt, 10, cache_dtype=dtype), out)
+
+
+def test_eos_stops_and_fills(llama_dir):
+    model = from_pretrained(llama_dir)
+    prompt = np.array([[3, 1, 4, 1, 5]])
+    free = model.generate(prompt, 12)[0]
+    eos = int(free[4])
+    out = model.generate(prompt, 12, eos_token_id=eos)[0]
+    first = int(np.flatnonzero(free == eos)[0])
+    np.testing.assert_array_equal(out[:first + 1], free[:first + 1])
+    assert (out[first:] == eos).all()
+
+
+def test_random_checkpoint_generates_varied_tokens(llama_dir):
+    out = from_pretrained(llama_dir).generate([[3, 1, 4, 1, 5]], 24)
+    assert len(set(out[0].tolist())) > 5
+
+
+def _run(code, *args, env_extra=None):
+    env = dict(os.environ, **(env_extra or {}))
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code), *args],
+                          capture_output=True, text=True, timeout=300, env=env)
+
+
+def test_torch_is_never_imported(tmp_path):
+    """from_pretrained, generate and the generate command with torch made unimportable."""
+    pytest.importorskip("tokenizers")
+    pytest.importorskip("ml_dtypes")
+    code = """
+        import sys
+        sys.modules["torch"] = None          # any `import torch` now raises ImportError
+        sys.modules["transformers"] = None
+        import numpy as np, ml_dtypes
+        import manyheads
+        from manyheads.models import from_pretrained
+        from manyheads.models.random import save_random_checkpoint
+        from manyheads.__main__ import main
+        d32 = save_random_checkpoint(sys.argv[1] + "/f32", "qwen2", tokenizer=True)
+        d16 = save_random_checkpoint(sys.argv[1] + "/bf16", "gpt2", dtype=ml_dtypes.bfloat16)
+        for d in (d32, d16):
+            m = from_pretrained(d)
+            out = m.generate(np.array([[1, 2, 3]]), 5, cache_dtype=np.float16)
+            assert out.shape == (1, 5), out.shape
+        assert main(["generate", "--model", d32, "--prompt", "the cat", "--max-new-tokens",
+                     "4"]) == 0
+        loaded = [k for k, v in sys.modules.items()
+                  if v is not None and k.split(".")[0] in ("torch", "transformers")]
+        print("torch-free:", loaded == [])
+    """
+    res = _run(code, str(tmp_path))
+    assert res.returncode == 0, res.stderr
+    assert "torch-free: True" in res.stdout
+
+
+def test_missing_safetensors_names_the_extra(llama_dir):
+    code = """
+        import sys
+        sys.modules["safetensors"] = None
+        from manyheads.models import from_pretrained
+        try:
+            from_pretrained(sys.argv[1])
+        except ImportError as exc:
+            print("ImportError:", exc)
+    """
+    res = _run(code, llama_dir)
+    assert res.returncode == 0, res.stderr
+    assert "ImportError: reading a checkpoint needs the 'safetensors' package" in res.stdout
+    assert "pip install 'manyheads[models]'" in res.stdout
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gpt2"])
+def test_random_checkpoint_loads_in_transformers_with_equal_logits(arch, tmp_path):
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    d = save_random_checkpoint(tmp_path, arch, seed=2)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(d).eval()
+    ids = np.random.default_rng(0).integers(0, 320, size=(1, 30))
+    with torch.no_grad():
+        ref = hf(torch.from_numpy(ids)).logits.numpy()
+    ours = from_pretrained(d).logits(ids)
+    assert np.abs(ours - ref).max() <= 1e-4 * np.abs(ref).max()
+
+
+def test_readme_session_runs(tmp_path, monkeypatch):
+    """The README's ``pycon`` session (manyheads.models) gives the output it shows."""
+    import doctest
+    import re
+    from pathlib import Path
+
+    pytest.importorskip("tokenizers")
+    readme = Path(__file__).resolve().parent.parent / "README.md"
+    if not readme.exists():
+        pytest.skip("README not shipped with this copy of the tests")
+    blocks = re.findall(r"```pycon\n(.*?)```", readme.read_text(), flags=re.S)
+    assert blocks, "README has no pycon session"
+    monkeypatch.chdir(tmp_path)  # the session writes a checkpoint folder
+    parser = doctest.DocTestParser()
+    runner = doctest.DocTestRunner(optionflags=doctest.NORMALIZE_WHITESPACE)
+    for i, block in enumerate(blocks):
+        runner.run(parser.get_doctest(block, {}, f"README pycon block {i}", str(readme), 0))
+    assert runner.summarize(verbose=False).failed == 0

@@ -1,0 +1,103 @@
+"""``python -m manyheads generate`` and ``show --model`` on tiny random checkpoints, run
+as a user would: in a subprocess, reading what it prints."""
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+pytest.importorskip("safetensors")
+tokenizers = pytest.importorskip("tokenizers")
+
+from manyheads.models import from_pretrained  # noqa: E402
+from manyheads.models.random import save_random_checkpoint  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def with_tokenizer(tmp_path_factory):
+    return save_random_checkpoint(tmp_path_factory.mktemp("tok"), "llama", seed=4,
+                                  tokenizer=True)
+
+
+@pytest.fixture(scope="module")
+def ids_only(tmp_path_factory):
+    return save_random_checkpoint(tmp_path_factory.mktemp("ids"), "gpt2", seed=5,
+                                  vocab_size=50)
+
+
+def cli(*args):
+    return subprocess.run([sys.executable, "-m", "manyheads", *args], capture_output=True,
+                          text=True, timeout=300)
+
+
+def test_generate_streams_the_greedy_text(with_tokenizer):
+    prompt = "the cat sat on the"
+    res = cli("generate", "--model", with_tokenizer, "--prompt", prompt,
+              "--max-new-tokens", "16", "--ignore-eos")
+    assert res.returncode == 0, res.stderr
+    tok = tokenizers.Tokenizer.from_file(os.path.join(with_tokenizer, "tokenizer.json"))
+    ids = tok.encode(prompt).ids
+    new = from_pretrained(with_tokenizer).generate(np.array([ids]), 16)[0].tolist()
+    assert res.stdout == tok.decode(ids + new) + "\n"
+    assert res.stdout.startswith(prompt)
+    assert "Llama(model_type='llama'" in res.stderr
+    assert f"prompt: {len(ids)} tokens in" in res.stderr
+    assert "generated 16 tokens" in res.stderr and "tokens/s" in res.stderr
+    # the caches of 2 layers: 2 kv heads x 16 dims x (prompt + 16) slots, keys and values
+    nbytes = 2 * 2 * 2 * 16 * (len(ids) + 16) * 4
+    assert f"KV cache {nbytes} bytes" in res.stderr and "float32" in res.stderr
+
+
+def test_generate_takes_token_ids_without_a_tokenizer(ids_only):
+    res = cli("generate", "--model", ids_only, "--prompt", "1 2 3 4", "--max-new-tokens", "7",
+              "--cache-dtype", "float16")
+    assert res.returncode == 0, res.stderr
+    new = from_pretrained(ids_only).generate(np.array([[1, 2, 3, 4]]), 7)[0].tolist()
+    assert res.stdout.split() == ["1", "2", "3", "4"] + [str(t) for t in new]
+    assert "float16" in res.stderr and "generated 7 tokens" in res.stderr
+
+
+def test_generate_with_an_int8_cache(with_tokenizer):
+    res = cli("generate", "--model", with_tokenizer, "--prompt", "the cat", "--max-new-tokens",
+              "5", "--cache-dtype", "int8", "--ignore-eos")
+    assert res.returncode == 0, res.stderr
+    assert "generated 5 tokens" in res.stderr and "int8)" in res.stderr
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--prompt", "the cat"], "no tokenizer.json: give the prompt as token ids"),
+    (["--prompt", "1 2 99"], "token id 99 is outside the vocabulary"),
+    (["--prompt", "1 2", "--max-new-tokens", "600"], "context length 512"),
+    (["--prompt", "1 2", "--cache-dtype", "int3"], "int3"),
+])
+def test_generate_errors_are_one_line(ids_only, args, message):
+    res = cli("generate", "--model", ids_only, *args)
+    assert res.returncode == 2
+    assert message in res.stderr and "Traceback" not in res.stderr
+
+
+def test_generate_missing_folder(tmp_path):
+    res = cli("generate", "--model", str(tmp_path / "nowhere"), "--prompt", "1 2")
+    assert res.returncode == 2 and "no checkpoint folder" in res.stderr
+
+
+def test_show_draws_one_layer_of_a_checkpoint(with_tokenizer, tmp_path):
+    pytest.importorskip("matplotlib")
+    out = tmp_path / "heads.png"
+    res = cli("show", "--model", with_tokenizer, "--layer", "1", "--text",
+              "the cat sat on the mat. the cat sat on the mat.", "--out", str(out))
+    assert res.returncode == 0, res.stderr
+    assert "layer 1 of 2" in res.stdout
+    assert "previous-token" in res.stdout and "induction" in res.stdout
+    lines = [ln for ln in res.stdout.splitlines() if ln.strip()[:1].isdigit()]
+    assert len(lines) == 4  # one row per head
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_show_checks_the_layer(with_tokenizer, tmp_path):
+    res = cli("show", "--model", with_tokenizer, "--layer", "5", "--text", "the cat sat",
+              "--out", str(tmp_path / "x.png"))
+    assert res.returncode == 2 and "layer must be in [0, 1]" in res.stderr
+    res = cli("show", "--layer", "1", "--text", "the cat sat", "--out", str(tmp_path / "x.png"))
+    assert res.returncode == 2 and "--layer needs --model" in res.stderr
