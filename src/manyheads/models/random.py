@@ -21,6 +21,7 @@ from ._checkpoint import require_package
 
 __all__ = ["save_random_checkpoint", "TOKENIZER_TEXT"]
 
+#: Text whose words make the vocabulary of a random checkpoint's tokenizer.
 TOKENIZER_TEXT = (
     "the cat sat on the mat. the dog sat on the log. a bird sang in the tree. "
     "attention lets every token look back at the tokens before it. "
