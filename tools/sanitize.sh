@@ -7,7 +7,7 @@ asan="$(gcc -print-file-name=libasan.so)"
 ubsan="$(gcc -print-file-name=libubsan.so)"
 "$py" -m venv "$work/env"
 "$work/env/bin/python" -m pip install --quiet --disable-pip-version-check pytest hypothesis \
-    threadpoolctl 2>&1 | { grep -v "^WARNING: Location" || true; }
+    threadpoolctl ml_dtypes 2>&1 | { grep -v "^WARNING: Location" || true; }
 echo "=== build with -fsanitize=address,undefined"
 CFLAGS="-fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=undefined -g" \
 LDFLAGS="-fsanitize=address,undefined" \
@@ -38,12 +38,14 @@ for L, S, E in [(1, 700, 17), (65, 65, 64), (3, 1100, 64), (130, 200, 80)]:
     k = rng.standard_normal((1, 2, S, E)).astype(np.float32)
     mh.scaled_dot_product_attention(q, k, k, num_threads=1)
     mh.scaled_dot_product_attention(q, k, k, return_weights=True, num_threads=1)
-m = mh.MultiHeadAttention(32, 32, 64, 0.0, 4, window=8, seed=0)
-c = m.new_cache(1, 64, dtype=np.float16)
+m = mh.MultiHeadAttention(32, 64, 64, 0.0, 2, window=8, seed=0)
 x = rng.standard_normal((1, 40, 32)).astype(np.float32)
-m(x[:, :30], cache=c)
-for t in range(30, 40):
-    m(x[:, t:t + 1], cache=c)
+for fmt in (np.float16, "int8", "int4"):
+    c = m.new_cache(1, 64, dtype=fmt)
+    m(x[:, :30], cache=c)
+    for t in range(30, 40):
+        m(x[:, t:t + 1], cache=c)
+mh.linear(x[0, :3], rng.standard_normal((32, 50)).astype(np.float32))
 print("valgrind case done")
 PY
 PYTHONMALLOC=malloc valgrind --tool=memcheck --errors-for-leak-kinds=none \
