@@ -8,6 +8,7 @@
  * instruction, and then through an intrinsic: on aarch64 (NEON vfmaq).
  * Elsewhere a multiply-add stays a multiply then an add: x86-64's baseline
  * has no FMA, and under -std=c99 the compiler does not contract a*b+c.
+ * aarch64's 32 vector registers also take larger register tiles.
  */
 #include <math.h>
 #include <stdint.h>
@@ -138,10 +139,21 @@ MH_UNARY(mh_v2d, double, 2, v2d_ninf0, t == -INFINITY ? 0.0 : t)
 #define T float
 #define V mh_v4f
 #define VW 4
+#ifdef MH_BASELINE_NEON
+/* aarch64's 32 vector registers: 4x4 tiles, 16 accumulators beside 4 operand vectors
+   and 4 keys (or probabilities) used by lane; 4x6 spills (GCC 12), 4x5 leaves single
+   keys and rows over in a block of 64 */
+#define NVQ 4
+#define JR 4
+#define NVO 4
+#define IR 4
+#else
+/* SSE2's 16 registers: 8 accumulators */
 #define NVQ 2
 #define JR 4
 #define NVO 2
 #define IR 4
+#endif
 #define FN(x) x##_f32_baseline
 #define V_ZERO() v4f_set1(0.0f)
 #define V_SET1(x) v4f_set1(x)
@@ -167,10 +179,17 @@ MH_UNARY(mh_v2d, double, 2, v2d_ninf0, t == -INFINITY ? 0.0 : t)
 #define T double
 #define V mh_v2d
 #define VW 2
+#ifdef MH_BASELINE_NEON
+#define NVQ 4
+#define JR 4
+#define NVO 4
+#define IR 4
+#else
 #define NVQ 2
 #define JR 4
 #define NVO 2
 #define IR 4
+#endif
 #define FN(x) x##_f64_baseline
 #define V_ZERO() v2d_set1(0.0)
 #define V_SET1(x) v2d_set1(x)
