@@ -3,6 +3,12 @@
  * 16-byte vectors of 4 floats or 2 doubles (GCC/Clang vector extensions,
  * which become SSE2 on x86-64 and NEON on aarch64; lane structs elsewhere).
  * Compiled with no ISA flags; runs on every CPU the wheel supports.
+ *
+ * Multiply-adds are fused only where the target's baseline has an FMA
+ * instruction, and then through an intrinsic: on aarch64 (NEON vfmaq).
+ * Elsewhere a multiply-add stays a multiply then an add: x86-64's baseline
+ * has no FMA, and under -std=c99 the compiler does not contract a*b+c.
+ * aarch64's 32 vector registers also take larger register tiles.
  */
 #include <math.h>
 #include <stdint.h>
@@ -61,10 +67,30 @@ static inline mh_v2d v2d_max(mh_v2d a, mh_v2d b)
 }
 static inline mh_v4f v4f_set1(float s) { return (mh_v4f){s, s, s, s}; }
 static inline mh_v2d v2d_set1(double s) { return (mh_v2d){s, s}; }
+#if defined(__aarch64__)
+/* aarch64: NEON with FMA and 32 vector registers, all of it baseline */
+#include <arm_neon.h>
+#define MH_BASELINE_NEON 1
+/* (a memcpy of a vector to memory goes through general registers here: ld1/st1 do not) */
+static inline mh_v4f v4f_load(const float *p) { return (mh_v4f)vld1q_f32(p); }
+static inline mh_v2d v2d_load(const double *p) { return (mh_v2d)vld1q_f64(p); }
+static inline void v4f_store(float *p, mh_v4f v) { vst1q_f32(p, (float32x4_t)v); }
+static inline void v2d_store(double *p, mh_v2d v) { vst1q_f64(p, (float64x2_t)v); }
+/* a*b + c in one rounding (fmla); the vector types convert bit for bit */
+static inline mh_v4f v4f_fma(mh_v4f a, mh_v4f b, mh_v4f c)
+{
+    return (mh_v4f)vfmaq_f32((float32x4_t)c, (float32x4_t)a, (float32x4_t)b);
+}
+static inline mh_v2d v2d_fma(mh_v2d a, mh_v2d b, mh_v2d c)
+{
+    return (mh_v2d)vfmaq_f64((float64x2_t)c, (float64x2_t)a, (float64x2_t)b);
+}
+#else
 static inline mh_v4f v4f_load(const float *p) { mh_v4f r; __builtin_memcpy(&r, p, sizeof r); return r; }
 static inline mh_v2d v2d_load(const double *p) { mh_v2d r; __builtin_memcpy(&r, p, sizeof r); return r; }
 static inline void v4f_store(float *p, mh_v4f v) { __builtin_memcpy(p, &v, sizeof v); }
 static inline void v2d_store(double *p, mh_v2d v) { __builtin_memcpy(p, &v, sizeof v); }
+#endif
 #else
 /* Other compilers: small lane structs and lane loops. */
 typedef struct { float x[4]; } mh_v4f;
@@ -113,10 +139,21 @@ MH_UNARY(mh_v2d, double, 2, v2d_ninf0, t == -INFINITY ? 0.0 : t)
 #define T float
 #define V mh_v4f
 #define VW 4
+#ifdef MH_BASELINE_NEON
+/* aarch64's 32 vector registers: 4x4 tiles, 16 accumulators beside 4 operand vectors
+   and 4 keys (or probabilities) used by lane; 4x6 spills (GCC 12), 4x5 leaves single
+   keys and rows over in a block of 64 */
+#define NVQ 4
+#define JR 4
+#define NVO 4
+#define IR 4
+#else
+/* SSE2's 16 registers: 8 accumulators */
 #define NVQ 2
 #define JR 4
 #define NVO 2
 #define IR 4
+#endif
 #define FN(x) x##_f32_baseline
 #define V_ZERO() v4f_set1(0.0f)
 #define V_SET1(x) v4f_set1(x)
@@ -126,7 +163,11 @@ MH_UNARY(mh_v2d, double, 2, v2d_ninf0, t == -INFINITY ? 0.0 : t)
 #define V_SUB(a, b) v4f_sub((a), (b))
 #define V_MUL(a, b) v4f_mul((a), (b))
 #define V_MAX(a, b) v4f_max((a), (b))
-#define V_FMA(a, b, c) v4f_add(v4f_mul((a), (b)), (c))
+#ifdef MH_BASELINE_NEON
+#define V_FMA(a, b, c) v4f_fma((a), (b), (c))
+#else
+#define V_FMA(a, b, c) v4f_add(v4f_mul((a), (b)), (c)) /* two roundings, as the ISA has it */
+#endif
 #define V_EXP(x) v4f_exp(x)
 #define V_NEG_INF_TO_ZERO(x) v4f_ninf0(x)
 #define V_HSUM(v) ((MH_LANE(v, 0) + MH_LANE(v, 1)) + (MH_LANE(v, 2) + MH_LANE(v, 3)))
@@ -138,10 +179,17 @@ MH_UNARY(mh_v2d, double, 2, v2d_ninf0, t == -INFINITY ? 0.0 : t)
 #define T double
 #define V mh_v2d
 #define VW 2
+#ifdef MH_BASELINE_NEON
+#define NVQ 4
+#define JR 4
+#define NVO 4
+#define IR 4
+#else
 #define NVQ 2
 #define JR 4
 #define NVO 2
 #define IR 4
+#endif
 #define FN(x) x##_f64_baseline
 #define V_ZERO() v2d_set1(0.0)
 #define V_SET1(x) v2d_set1(x)
@@ -151,7 +199,11 @@ MH_UNARY(mh_v2d, double, 2, v2d_ninf0, t == -INFINITY ? 0.0 : t)
 #define V_SUB(a, b) v2d_sub((a), (b))
 #define V_MUL(a, b) v2d_mul((a), (b))
 #define V_MAX(a, b) v2d_max((a), (b))
+#ifdef MH_BASELINE_NEON
+#define V_FMA(a, b, c) v2d_fma((a), (b), (c))
+#else
 #define V_FMA(a, b, c) v2d_add(v2d_mul((a), (b)), (c))
+#endif
 #define V_EXP(x) v2d_exp(x)
 #define V_NEG_INF_TO_ZERO(x) v2d_ninf0(x)
 #define V_HSUM(v) (MH_LANE(v, 0) + MH_LANE(v, 1))

@@ -10,25 +10,32 @@ import pytest
 from manyheads import _kernels
 
 X86_ELF = sys.platform.startswith("linux") and platform.machine().lower() in ("x86_64", "amd64")
+AARCH64_ELF = sys.platform.startswith("linux") and platform.machine().lower() in ("aarch64", "arm64")
 
 
-@pytest.mark.skipif(not X86_ELF or shutil.which("objdump") is None,
-                    reason="needs objdump and an x86-64 ELF build")
-def test_vex_and_evex_instructions_only_in_dispatched_functions():
+def disassembly():
+    """(function, mnemonic, operands) for every instruction of the extension (objdump -d)."""
     dump = subprocess.run(["objdump", "-d", "--no-show-raw-insn", _kernels.__file__],
                           capture_output=True, text=True, check=True).stdout
     func = None
-    offenders = {}
-    seen_isa_funcs = set()
     for line in dump.splitlines():
         m = re.match(r"^[0-9a-f]+ <(.+)>:$", line)
         if m:
             func = m.group(1).split(".")[0]  # compiler clones: f.isra.0, f.constprop.0, f.cold
             continue
-        parts = line.split("\t")
-        if len(parts) < 2 or not re.match(r"^\s+[0-9a-f]+:$", parts[0]):
+        addr, _, insn = line.partition("\t")
+        words = insn.split(None, 1)  # the mnemonic, then its operands
+        if not re.match(r"^\s+[0-9a-f]+:$", addr) or not words:
             continue
-        mnemonic = parts[1].split()[0] if parts[1].split() else ""
+        yield func, words[0], words[1] if len(words) > 1 else ""
+
+
+@pytest.mark.skipif(not X86_ELF or shutil.which("objdump") is None,
+                    reason="needs objdump and an x86-64 ELF build")
+def test_vex_and_evex_instructions_only_in_dispatched_functions():
+    offenders = {}
+    seen_isa_funcs = set()
+    for func, mnemonic, _ in disassembly():
         # every AVX/AVX2/AVX-512 instruction is VEX/EVEX encoded: its mnemonic starts with v
         if mnemonic.startswith("v") and mnemonic not in ("verr", "verw"):
             if func.endswith(("_avx2", "_avx512")):
@@ -38,6 +45,18 @@ def test_vex_and_evex_instructions_only_in_dispatched_functions():
     assert not offenders, f"AVX instructions outside the dispatched paths: {offenders}"
     assert any(f.endswith("_avx512") for f in seen_isa_funcs)
     assert any(f.endswith("_avx2") for f in seen_isa_funcs)
+
+
+@pytest.mark.skipif(not AARCH64_ELF or shutil.which("objdump") is None,
+                    reason="needs objdump and an aarch64 ELF build")
+def test_aarch64_baseline_fuses_its_multiply_adds():
+    # FMA is part of every aarch64 CPU: both baseline instantiations use NEON fmla
+    fused = {"f32": 0, "f64": 0}
+    for func, mnemonic, operands in disassembly():
+        for t, arrangement in (("f32", ".4s"), ("f64", ".2d")):
+            if func.endswith(f"_{t}_baseline") and mnemonic == "fmla" and arrangement in operands:
+                fused[t] += 1
+    assert fused["f32"] > 0 and fused["f64"] > 0, fused
 
 
 def test_build_contains_the_baseline_and_reports_openmp():
