@@ -15,31 +15,6 @@
 #include "mh_kernels.h"
 #include "mh_exp.h"
 
-/* exp(x) in plain arithmetic (no libm call, so the lane loop vectorises),
-   scheme and constants in mh_exp.h, 2^n built in the exponent bits.  Below
-   ln(FLT_MIN) gives 0, above ln(FLT_MAX) inf; NaN stays NaN. */
-static inline float mh_expf_poly(float x)
-{
-    const float lo = MH_EXPF_MIN_ARG, hi = MH_EXPF_MAX_ARG;
-    float xc = x < lo ? lo : (x > hi ? hi : x); /* NaN compares false: stays NaN */
-    float t = xc * MH_EXPF_LOG2E + MH_EXPF_ROUND;
-    float n = t - MH_EXPF_ROUND;
-    float r = xc - n * MH_EXPF_LN2_HI;
-    r = r - n * MH_EXPF_LN2_LO;
-    float p = MH_EXPF_P6;
-    p = p * r + MH_EXPF_P5;
-    p = p * r + MH_EXPF_P4;
-    p = p * r + MH_EXPF_P3;
-    p = p * r + MH_EXPF_P2;
-    p = p * r + MH_EXPF_P1;
-    p = p * r + MH_EXPF_P0;
-    union { float f; int32_t i; } u, e;
-    u.f = t;
-    e.i = (int32_t)(((uint32_t)u.i + 127u) << 23);
-    float y = p * e.f;
-    return x < lo ? 0.0f : (x > hi ? (float)INFINITY : y);
-}
-
 #if (defined(__GNUC__) || defined(__clang__)) && !defined(MH_BASELINE_STRUCT)
 /* GCC/Clang vector extensions: 4 lanes the compiler maps onto SSE2 or NEON. */
 typedef float mh_v4f __attribute__((vector_size(16)));
@@ -130,7 +105,62 @@ static inline void v2d_store(double *p, mh_v2d v) { for (int l = 0; l < 2; ++l) 
         }                                                           \
         return r;                                                   \
     }
+#ifdef MH_BASELINE_NEON
+/* exp(x) on 4 lanes at once: mh_expf_poly's scheme and constants with fused
+   multiply-adds and no branch (GCC does not vectorise the lane loop below: it
+   compiles to 4 scalar exps with compares and branches).  fmax/fmin keep a NaN
+   lane NaN; below the clamp the lane is cleared, so exp(-inf) = 0; at the top
+   clamp n = 128 puts 255 into the exponent field, so the result is inf. */
+static inline mh_v4f v4f_exp(mh_v4f a)
+{
+    const float32x4_t x = (float32x4_t)a, lo = vdupq_n_f32(MH_EXPF_MIN_ARG);
+    const float32x4_t round = vdupq_n_f32(MH_EXPF_ROUND);
+    const float32x4_t xc = vminq_f32(vmaxq_f32(x, lo), vdupq_n_f32(MH_EXPF_MAX_ARG));
+    const float32x4_t t = vfmaq_f32(round, xc, vdupq_n_f32(MH_EXPF_LOG2E));
+    const float32x4_t n = vsubq_f32(t, round);
+    float32x4_t r = vfmsq_f32(xc, n, vdupq_n_f32(MH_EXPF_LN2_HI)); /* xc - n*ln2_hi */
+    r = vfmsq_f32(r, n, vdupq_n_f32(MH_EXPF_LN2_LO));
+    float32x4_t p = vdupq_n_f32(MH_EXPF_P6);
+    p = vfmaq_f32(vdupq_n_f32(MH_EXPF_P5), p, r);
+    p = vfmaq_f32(vdupq_n_f32(MH_EXPF_P4), p, r);
+    p = vfmaq_f32(vdupq_n_f32(MH_EXPF_P3), p, r);
+    p = vfmaq_f32(vdupq_n_f32(MH_EXPF_P2), p, r);
+    p = vfmaq_f32(vdupq_n_f32(MH_EXPF_P1), p, r);
+    p = vfmaq_f32(vdupq_n_f32(MH_EXPF_P0), p, r);
+    /* n + 127 sits in the low bits of t (the rounding constant's mantissa) */
+    const int32x4_t e = vshlq_n_s32(vaddq_s32(vreinterpretq_s32_f32(t), vdupq_n_s32(127)), 23);
+    const uint32x4_t y = vreinterpretq_u32_f32(vmulq_f32(p, vreinterpretq_f32_s32(e)));
+    return (mh_v4f)vreinterpretq_f32_u32(vbicq_u32(y, vcltq_f32(x, lo)));
+}
+#else
+/* exp(x) in plain arithmetic (no libm call), scheme and constants in
+   mh_exp.h, 2^n built in the exponent bits.  Below ln(FLT_MIN) gives 0, above
+   ln(FLT_MAX) inf; NaN stays NaN.  (GCC 12 compiles the lane loop below one
+   lane at a time, with compares and branches.) */
+static inline float mh_expf_poly(float x)
+{
+    const float lo = MH_EXPF_MIN_ARG, hi = MH_EXPF_MAX_ARG;
+    float xc = x < lo ? lo : (x > hi ? hi : x); /* NaN compares false: stays NaN */
+    float t = xc * MH_EXPF_LOG2E + MH_EXPF_ROUND;
+    float n = t - MH_EXPF_ROUND;
+    float r = xc - n * MH_EXPF_LN2_HI;
+    r = r - n * MH_EXPF_LN2_LO;
+    float p = MH_EXPF_P6;
+    p = p * r + MH_EXPF_P5;
+    p = p * r + MH_EXPF_P4;
+    p = p * r + MH_EXPF_P3;
+    p = p * r + MH_EXPF_P2;
+    p = p * r + MH_EXPF_P1;
+    p = p * r + MH_EXPF_P0;
+    union { float f; int32_t i; } u, e;
+    u.f = t;
+    e.i = (int32_t)(((uint32_t)u.i + 127u) << 23);
+    float y = p * e.f;
+    return x < lo ? 0.0f : (x > hi ? (float)INFINITY : y);
+}
+
 MH_UNARY(mh_v4f, float, 4, v4f_exp, mh_expf_poly(t))
+#endif
 MH_UNARY(mh_v4f, float, 4, v4f_ninf0, t == -INFINITY ? 0.0f : t)
 MH_UNARY(mh_v2d, double, 2, v2d_exp, exp(t))
 MH_UNARY(mh_v2d, double, 2, v2d_ninf0, t == -INFINITY ? 0.0 : t)
