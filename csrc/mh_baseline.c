@@ -162,7 +162,29 @@ static inline float mh_expf_poly(float x)
 MH_UNARY(mh_v4f, float, 4, v4f_exp, mh_expf_poly(t))
 #endif
 MH_UNARY(mh_v4f, float, 4, v4f_ninf0, t == -INFINITY ? 0.0f : t)
+#ifdef MH_BASELINE_NEON
+/* exp(x) on 2 lanes in double: the same scheme with the degree-13 polynomial
+   (instead of a libm call per lane).  Above ln(DBL_MAX) the clamp gives
+   n = 1024, 2047 in the exponent field: inf. */
+#define MH_EXP_MAX_ARG_NEON 709.782712893384 /* ln(DBL_MAX) */
+static inline mh_v2d v2d_exp(mh_v2d a)
+{
+    const float64x2_t x = (float64x2_t)a, lo = vdupq_n_f64(MH_EXP_MIN_ARG);
+    const float64x2_t round = vdupq_n_f64(MH_EXP_ROUND);
+    const float64x2_t xc = vminq_f64(vmaxq_f64(x, lo), vdupq_n_f64(MH_EXP_MAX_ARG_NEON));
+    const float64x2_t t = vfmaq_f64(round, xc, vdupq_n_f64(MH_EXP_LOG2E));
+    const float64x2_t n = vsubq_f64(t, round);
+    float64x2_t r = vfmsq_f64(xc, n, vdupq_n_f64(MH_EXP_LN2_HI));
+    r = vfmsq_f64(r, n, vdupq_n_f64(MH_EXP_LN2_LO));
+    float64x2_t p = vdupq_n_f64(mh_exp_f64_poly[0]);
+    for (int i = 1; i <= MH_EXP_DEGREE; ++i) p = vfmaq_f64(vdupq_n_f64(mh_exp_f64_poly[i]), p, r);
+    const int64x2_t e = vshlq_n_s64(vaddq_s64(vreinterpretq_s64_f64(t), vdupq_n_s64(1023)), 52);
+    const uint64x2_t y = vreinterpretq_u64_f64(vmulq_f64(p, vreinterpretq_f64_s64(e)));
+    return (mh_v2d)vreinterpretq_f64_u64(vbicq_u64(y, vcltq_f64(x, lo)));
+}
+#else
 MH_UNARY(mh_v2d, double, 2, v2d_exp, exp(t))
+#endif
 MH_UNARY(mh_v2d, double, 2, v2d_ninf0, t == -INFINITY ? 0.0 : t)
 
 /* ---------------------------------------------------------------- float32 */
