@@ -133,10 +133,10 @@ static inline void v2d_store(double *p, mh_v2d v) { for (int l = 0; l < 2; ++l) 
     }
 #ifdef MH_BASELINE_NEON
 /* exp(x) on 4 lanes at once: mh_expf_poly's scheme and constants with fused
-   multiply-adds and no branch (GCC does not vectorise the lane loop below: it
-   compiles to 4 scalar exps with compares and branches).  fmax/fmin keep a NaN
-   lane NaN; below the clamp the lane is cleared, so exp(-inf) = 0; at the top
-   clamp n = 128 puts 255 into the exponent field, so the result is inf. */
+   multiply-adds and no branch (GCC 12 compiles the generic lane loop below to
+   4 scalar exps with compares and branches).  fmax/fmin keep a NaN lane NaN;
+   below the clamp the lane is cleared, so exp(-inf) = 0; at the top clamp
+   n = 128 puts 255 into the exponent field, so the result is inf. */
 static inline mh_v4f v4f_exp(mh_v4f a)
 {
     const float32x4_t x = (float32x4_t)a, lo = vdupq_n_f32(MH_EXPF_MIN_ARG);
@@ -191,7 +191,8 @@ MH_UNARY(mh_v4f, float, 4, v4f_ninf0, t == -INFINITY ? 0.0f : t)
 #ifdef MH_BASELINE_NEON
 /* exp(x) on 2 lanes in double: the same scheme with the degree-13 polynomial
    (instead of a libm call per lane).  Above ln(DBL_MAX) the clamp gives
-   n = 1024, 2047 in the exponent field: inf. */
+   n = 1024, 2047 in the exponent field: inf.  (The AVX paths do not clamp
+   above, hence no such constant in mh_exp.h.) */
 #define MH_EXP_MAX_ARG_NEON 709.782712893384 /* ln(DBL_MAX) */
 static inline mh_v2d v2d_exp(mh_v2d a)
 {
@@ -250,17 +251,15 @@ MH_UNARY(mh_v2d, double, 2, v2d_ninf0, t == -INFINITY ? 0.0 : t)
 #define V_NEG_INF_TO_ZERO(x) v4f_ninf0(x)
 #ifdef MH_BASELINE_NEON
 #define V_HSUM(v) v4f_hsum(v)
-#else
-#define V_HSUM(v) ((MH_LANE(v, 0) + MH_LANE(v, 1)) + (MH_LANE(v, 2) + MH_LANE(v, 3)))
-#endif
-#ifdef MH_BASELINE_NEON
-/* float16 keys and values are then read in place by the few-rows path.
+/* With V_LOAD_HALF the few-rows path reads float16 keys and values in place.
    No V_LOAD_BF16 or V_LOAD_I8: GCC vectorises their scalar loops 8 and 16
    values at a time (shll/shll2, sxtl/sxtl2), fewer instructions per value
    than a loop of 4-value loaders (measured with GCC 12: 1.3 and 1.7 per value
    against 2.0 and 3.0 in the decode readers). */
 #define V_LOAD_HALF(p) v4f_load_half(p)
 #define V_LOAD_U4(p) v4f_load_u4(p)
+#else
+#define V_HSUM(v) ((MH_LANE(v, 0) + MH_LANE(v, 1)) + (MH_LANE(v, 2) + MH_LANE(v, 3)))
 #endif
 #include "mh_attention_impl.h"
 #include "mh_linear_impl.h"
