@@ -10,9 +10,12 @@
  * Measured error over [-87, 88] (float32) and [-700, 700] (float64) against a
  * long-double reference, 2^20 evenly spaced points plus 2^18 softmax-like
  * negative ones (tests/test_block_boundaries.py checks <= 4 ulp on every path):
- *   float32, degree-6 minimax:  1.05 ulp with FMA (AVX2, AVX-512),
+ *   float32, degree-6 minimax:  1.05 ulp with FMA (AVX2, AVX-512, the aarch64 baseline's NEON),
  *                               1.30 ulp with separate multiply and add (x86 baseline)
- *   float64, degree-13 Taylor:  0.87 ulp (the baseline path calls libm's exp instead)
+ *   float64, degree-13 Taylor:  0.87 ulp (AVX2, AVX-512, the aarch64 baseline's NEON; the
+ *                               x86 baseline calls libm's exp instead, 0.51 ulp)
+ * (aarch64 measured under qemu-user emulation against numpy's 113-bit long double; on
+ * these points the NEON results equal the AVX2 ones bit for bit, in both types.)
  */
 #ifndef MANYHEADS_EXP_H
 #define MANYHEADS_EXP_H

@@ -59,6 +59,27 @@ def test_aarch64_baseline_fuses_its_multiply_adds():
     assert fused["f32"] > 0 and fused["f64"] > 0, fused
 
 
+@pytest.mark.skipif(not AARCH64_ELF or shutil.which("objdump") is None,
+                    reason="needs objdump and an aarch64 ELF build")
+def test_aarch64_baseline_exp_and_float16_reads_are_neon_code():
+    # the exp works on whole vectors (no libm call, no scalar compare per lane) in both
+    # types, and the float32 instantiation widens float16 keys and values with fcvtl
+    exp_funcs = ("mh_exp_array_f32_baseline", "mh_exp_array_f64_baseline")
+    seen = {f: {"fmla": 0, "exp call": 0, "fcmp": 0} for f in exp_funcs}
+    fcvtl = 0
+    for func, mnemonic, operands in disassembly():
+        if func in seen:
+            n = seen[func]
+            n["fmla"] += mnemonic == "fmla"
+            n["exp call"] += mnemonic == "bl" and "<exp" in operands
+            n["fcmp"] += mnemonic in ("fcmp", "fcmpe")
+        if func.endswith("_f32_baseline") and mnemonic == "fcvtl" and ".4s" in operands:
+            fcvtl += 1
+    for f, n in seen.items():
+        assert n["fmla"] > 0 and n["exp call"] == 0 and n["fcmp"] == 0, (f, n)
+    assert fcvtl > 0
+
+
 def test_build_contains_the_baseline_and_reports_openmp():
     assert _kernels.isa_compiled("baseline") and _kernels.cpu_supports("baseline")
     assert isinstance(_kernels.openmp_enabled(), bool)

@@ -11,8 +11,8 @@
 #      baseline instantiations: FMA is part of every aarch64 CPU, and the baseline path uses it;
 #   6. the test suite without torch (the tests needing torch or transformers skip themselves);
 #      pytest's summary line is the last line printed.
-# About half an hour (the first run also builds the root filesystem and the venv). Not part
-# of .ci/run.
+# 10-25 minutes once the root filesystem and the venv are cached (the first run also builds
+# them, which takes longer). Not part of .ci/run.
 # Needs root (chroot, mounts, apt-get) and a Debian host.   Usage: tools/check_aarch64.sh
 #
 # Environment:
