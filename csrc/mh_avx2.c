@@ -64,6 +64,12 @@ static inline double mh_hsum_f64_avx2(__m256d v)
 #define V_LOAD_U4(p) mh_load_u4_avx2((const uint8_t *)(p))
 #define V_NEG_INF_TO_ZERO(x) \
     _mm256_andnot_ps(_mm256_cmp_ps((x), _mm256_set1_ps(-INFINITY), _CMP_EQ_OQ), (x))
+/* hidden entries (mh_attention_impl.h): blendv selects on the sign bit */
+#define V_MARK_HIDDEN(p, s) \
+    _mm256_blendv_ps((p), _mm256_set1_ps(-0.0f), _mm256_cmp_ps((s), _mm256_set1_ps(-INFINITY), _CMP_EQ_OQ))
+#define VM __m256
+#define V_VISIBLE(p) (p)
+#define V_FMA_VISIBLE(a, b, c, m) _mm256_blendv_ps(_mm256_fmadd_ps((a), (b), (c)), (c), (m))
 
 /* exp(x) (scheme and constants in mh_exp.h); 2^n is built in the exponent
    field from the rounding constant (n + 127 lands in the low mantissa bits). */
@@ -115,6 +121,11 @@ static inline __m256 mh_exp_f32_avx2(__m256 x)
 #define V_HSUM(x) mh_hsum_f64_avx2(x)
 #define V_NEG_INF_TO_ZERO(x) \
     _mm256_andnot_pd(_mm256_cmp_pd((x), _mm256_set1_pd(-INFINITY), _CMP_EQ_OQ), (x))
+#define V_MARK_HIDDEN(p, s) \
+    _mm256_blendv_pd((p), _mm256_set1_pd(-0.0), _mm256_cmp_pd((s), _mm256_set1_pd(-INFINITY), _CMP_EQ_OQ))
+#define VM __m256d
+#define V_VISIBLE(p) (p)
+#define V_FMA_VISIBLE(a, b, c, m) _mm256_blendv_pd(_mm256_fmadd_pd((a), (b), (c)), (c), (m))
 
 /* exp(x) in double (scheme and constants in mh_exp.h). */
 static inline __m256d mh_exp_f64_avx2(__m256d x)

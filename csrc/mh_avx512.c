@@ -38,6 +38,13 @@
 #define V_NEG_INF_TO_ZERO(x) \
     _mm512_mask_blend_ps(_mm512_cmp_ps_mask((x), _mm512_set1_ps(-INFINITY), _CMP_EQ_OQ), (x), \
                          _mm512_setzero_ps())
+/* hidden entries (mh_attention_impl.h): lanes whose sign bit is clear are visible */
+#define V_MARK_HIDDEN(p, s) \
+    _mm512_mask_mov_ps((p), _mm512_cmp_ps_mask((s), _mm512_set1_ps(-INFINITY), _CMP_EQ_OQ), \
+                       _mm512_set1_ps(-0.0f))
+#define VM __mmask16
+#define V_VISIBLE(p) _mm512_cmpge_epi32_mask(_mm512_castps_si512(p), _mm512_setzero_si512())
+#define V_FMA_VISIBLE(a, b, c, m) _mm512_mask3_fmadd_ps((a), (b), (c), (m))
 
 /* 16 four-bit values from 8 bytes (low nibble first) as floats. */
 static inline __m512 mh_load_u4_avx512(const uint8_t *p)
@@ -95,6 +102,12 @@ static inline __m512 mh_exp_f32_avx512(__m512 x)
 #define V_NEG_INF_TO_ZERO(x) \
     _mm512_mask_blend_pd(_mm512_cmp_pd_mask((x), _mm512_set1_pd(-INFINITY), _CMP_EQ_OQ), (x), \
                          _mm512_setzero_pd())
+#define V_MARK_HIDDEN(p, s) \
+    _mm512_mask_mov_pd((p), _mm512_cmp_pd_mask((s), _mm512_set1_pd(-INFINITY), _CMP_EQ_OQ), \
+                       _mm512_set1_pd(-0.0))
+#define VM __mmask8
+#define V_VISIBLE(p) _mm512_cmpge_epi64_mask(_mm512_castpd_si512(p), _mm512_setzero_si512())
+#define V_FMA_VISIBLE(a, b, c, m) _mm512_mask3_fmadd_pd((a), (b), (c), (m))
 
 /* exp(x) in double (scheme and constants in mh_exp.h), 2^n with scalef. */
 static inline __m512d mh_exp_f64_avx512(__m512d x)
