@@ -304,11 +304,27 @@ static void FN(load_rows)(const mh_attn_args *a, const mh_operand *src,
    [k0, k0+nk): the tile is key-major (row_step 1, key_step BQ), the few-rows
    layout row-major (row_step BK, key_step 1). */
 
-/* -inf where the causal triangle or the window hides the key. */
+/* -inf where the causal triangle or the window hides the key (called only
+   with a causal mask).  Each run of hidden entries is contiguous in memory:
+   per row in the row-major layout, per key in the key-major one. */
 static void FN(mask_causal_window)(const mh_attn_args *a, int64_t q0, int64_t rows, int64_t k0,
                                    int64_t nk, T *s, int64_t row_step, int64_t key_step)
 {
     const T neg_inf = (T)(-INFINITY);
+    if (row_step == 1) {
+        /* key j: rows [0, before) see only earlier keys, rows [after, rows)
+           have left it behind their window */
+        const int64_t off = k0 - q0 - a->causal.offset;
+        for (int64_t j = 0; j < nk; ++j) {
+            int64_t before = off + j, after = a->causal.window > 0 ? off + j + a->causal.window : rows;
+            before = before < 0 ? 0 : (before > rows ? rows : before);
+            after = after < before ? before : (after > rows ? rows : after);
+            T *sj = s + j * key_step;
+            for (int64_t i = 0; i < before; ++i) sj[i] = neg_inf;
+            for (int64_t i = after; i < rows; ++i) sj[i] = neg_inf;
+        }
+        return;
+    }
     for (int64_t i = 0; i < rows; ++i) {
         int64_t lo, hi;
         mh_visible_keys(a, q0 + i, &lo, &hi);
@@ -613,6 +629,29 @@ static void FN(tile_mix)(const mh_attn_args *a, int64_t pair, int64_t q0, int64_
     }
 }
 
+/* qt[d][i] = scale * q[i][d] for rows i < nq; 0 in the padding lanes up to
+   nvq * VW.  Whole VW x VW blocks go through the path's vector transpose. */
+static void FN(load_qt)(const T *q, int64_t q_row, int64_t nq, int64_t nvq, int64_t E, T scale,
+                        T *qt)
+{
+    int64_t d0 = 0;
+#ifdef V_TRANSPOSE
+    const V vs = V_SET1(scale);
+    for (; d0 + VW <= E; d0 += VW)
+        for (int64_t i0 = 0; i0 < nvq * VW; i0 += VW) {
+            V r[VW];
+            for (int l = 0; l < VW; ++l)
+                r[l] = i0 + l < nq ? V_MUL(V_LOAD(q + (i0 + l) * q_row + d0), vs) : V_ZERO();
+            V_TRANSPOSE(r);
+            for (int l = 0; l < VW; ++l) V_STORE(qt + (d0 + l) * BQ + i0, r[l]);
+        }
+#endif
+    for (int64_t d = d0; d < E; ++d) {
+        for (int64_t i = 0; i < nq; ++i) qt[d * BQ + i] = q[i * q_row + d] * scale;
+        for (int64_t i = nq; i < nvq * VW; ++i) qt[d * BQ + i] = 0;
+    }
+}
+
 /* Tile path over keys [k_lo, k_hi): leaves the unnormalised output in w->acc
    and the running max and sum in w->row_max, w->row_sum. */
 static void FN(attend_tile)(const mh_attn_args *a, int64_t pair, int64_t q0, int64_t nq,
@@ -621,18 +660,13 @@ static void FN(attend_tile)(const mh_attn_args *a, int64_t pair, int64_t q0, int
     const int64_t E = a->head_dim, Ev = a->v_dim, evp = w->evp;
     const int64_t nvq = (nq + VW - 1) / VW, nvv = (Ev + VW - 1) / VW;
     const T *q = (const T *)a->q.base + a->q.off[pair] + q0 * a->q.row;
-    const T scale = (T)a->scale;
 
-    /* transposed and pre-scaled; pad lanes with zeros */
-    for (int64_t d = 0; d < E; ++d) {
-        for (int64_t i = 0; i < nq; ++i) w->qt[d * BQ + i] = q[i * a->q.row + d] * scale;
-        for (int64_t i = nq; i < nvq * VW; ++i) w->qt[d * BQ + i] = 0;
-    }
+    FN(load_qt)(q, a->q.row, nq, nvq, E, (T)a->scale, w->qt);
     for (int64_t i = 0; i < BQ; ++i) {
         w->row_max[i] = (T)(-INFINITY);
         w->row_sum[i] = 0;
     }
-    for (int64_t i = 0; i < nq * evp; ++i) w->acc[i] = 0;
+    for (int64_t i = 0; i < nq * evp; i += VW) V_STORE(w->acc + i, V_ZERO());
     if (!w->v_direct && nvv * VW > Ev) /* the last value vector reads padding columns: keep them 0 */
         for (int64_t i = 0; i < BK * evp; ++i) w->vpack[i] = 0;
 
@@ -898,8 +932,13 @@ void FN(mh_block_item)(const mh_attn_args *a, int64_t pair, int64_t q0, void *sc
     /* normalise once; rows that saw no key have row_sum == 0 and give zeros */
     for (int64_t i = 0; i < nq; ++i) {
         const T inv = w.row_sum[i] == 0 ? (T)0 : (T)1 / w.row_sum[i];
+        const V vinv = V_SET1(inv);
+        const T *acc = w.acc + i * w.evp;
+        T *o = out + i * a->out.row;
+        int64_t d = 0;
         w.row_sum[i] = inv;
-        for (int64_t d = 0; d < Ev; ++d) out[i * a->out.row + d] = w.acc[i * w.evp + d] * inv;
+        for (; d + VW <= Ev; d += VW) V_STORE(o + d, V_MUL(V_LOAD(acc + d), vinv));
+        for (; d < Ev; ++d) o[d] = acc[d] * inv;
     }
     if (a->weights) FN(write_weights)(a, pair, q0, nq, &w);
 }

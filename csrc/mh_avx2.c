@@ -37,6 +37,38 @@ static inline double mh_hsum_f64_avx2(__m256d v)
     return _mm_cvtsd_f64(s);
 }
 
+/* r[0..8) transposed in place: afterwards r[c][i] holds what r[i][c] held. */
+static inline void mh_transpose_f32_avx2(__m256 r[8])
+{
+    const __m256 t0 = _mm256_unpacklo_ps(r[0], r[1]), t1 = _mm256_unpackhi_ps(r[0], r[1]);
+    const __m256 t2 = _mm256_unpacklo_ps(r[2], r[3]), t3 = _mm256_unpackhi_ps(r[2], r[3]);
+    const __m256 t4 = _mm256_unpacklo_ps(r[4], r[5]), t5 = _mm256_unpackhi_ps(r[4], r[5]);
+    const __m256 t6 = _mm256_unpacklo_ps(r[6], r[7]), t7 = _mm256_unpackhi_ps(r[6], r[7]);
+    /* u_m: column m (low half) and column m + 4 (high half) of four rows */
+    const __m256 u0 = _mm256_shuffle_ps(t0, t2, 0x44), u1 = _mm256_shuffle_ps(t0, t2, 0xEE);
+    const __m256 u2 = _mm256_shuffle_ps(t1, t3, 0x44), u3 = _mm256_shuffle_ps(t1, t3, 0xEE);
+    const __m256 u4 = _mm256_shuffle_ps(t4, t6, 0x44), u5 = _mm256_shuffle_ps(t4, t6, 0xEE);
+    const __m256 u6 = _mm256_shuffle_ps(t5, t7, 0x44), u7 = _mm256_shuffle_ps(t5, t7, 0xEE);
+    r[0] = _mm256_permute2f128_ps(u0, u4, 0x20);
+    r[1] = _mm256_permute2f128_ps(u1, u5, 0x20);
+    r[2] = _mm256_permute2f128_ps(u2, u6, 0x20);
+    r[3] = _mm256_permute2f128_ps(u3, u7, 0x20);
+    r[4] = _mm256_permute2f128_ps(u0, u4, 0x31);
+    r[5] = _mm256_permute2f128_ps(u1, u5, 0x31);
+    r[6] = _mm256_permute2f128_ps(u2, u6, 0x31);
+    r[7] = _mm256_permute2f128_ps(u3, u7, 0x31);
+}
+
+static inline void mh_transpose_f64_avx2(__m256d r[4])
+{
+    const __m256d t0 = _mm256_unpacklo_pd(r[0], r[1]), t1 = _mm256_unpackhi_pd(r[0], r[1]);
+    const __m256d t2 = _mm256_unpacklo_pd(r[2], r[3]), t3 = _mm256_unpackhi_pd(r[2], r[3]);
+    r[0] = _mm256_permute2f128_pd(t0, t2, 0x20);
+    r[1] = _mm256_permute2f128_pd(t1, t3, 0x20);
+    r[2] = _mm256_permute2f128_pd(t0, t2, 0x31);
+    r[3] = _mm256_permute2f128_pd(t1, t3, 0x31);
+}
+
 /* ---------------------------------------------------------------- float32 */
 #define T float
 #define V __m256
@@ -57,6 +89,7 @@ static inline double mh_hsum_f64_avx2(__m256d v)
 #define V_FMA(a, b, c) _mm256_fmadd_ps((a), (b), (c))
 #define V_EXP(x) mh_exp_f32_avx2(x)
 #define V_HSUM(x) mh_hsum_f32_avx2(x)
+#define V_TRANSPOSE(r) mh_transpose_f32_avx2(r)
 #define V_LOAD_HALF(p) _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p)))
 #define V_LOAD_BF16(p) \
     _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(p))), 16))
@@ -119,6 +152,7 @@ static inline __m256 mh_exp_f32_avx2(__m256 x)
 #define V_FMA(a, b, c) _mm256_fmadd_pd((a), (b), (c))
 #define V_EXP(x) mh_exp_f64_avx2(x)
 #define V_HSUM(x) mh_hsum_f64_avx2(x)
+#define V_TRANSPOSE(r) mh_transpose_f64_avx2(r)
 #define V_NEG_INF_TO_ZERO(x) \
     _mm256_andnot_pd(_mm256_cmp_pd((x), _mm256_set1_pd(-INFINITY), _CMP_EQ_OQ), (x))
 #define V_MARK_HIDDEN(p, s) \

@@ -10,6 +10,54 @@
 #include <math.h>
 #include "mh_exp.h"
 
+/* r[0..16) transposed in place: afterwards r[c][i] holds what r[i][c] held.
+   Pairs of rows are interleaved within 128-bit lanes, then groups of four
+   rows, then the 128-bit lanes are gathered across registers in two steps. */
+static inline void mh_transpose_f32_avx512(__m512 r[16])
+{
+    __m512 t[16], u[16];
+    for (int k = 0; k < 8; ++k) {
+        t[2 * k] = _mm512_unpacklo_ps(r[2 * k], r[2 * k + 1]);
+        t[2 * k + 1] = _mm512_unpackhi_ps(r[2 * k], r[2 * k + 1]);
+    }
+    /* u[4k + m], 128-bit lane L: column 4L + m of rows 4k .. 4k+3 */
+    for (int k = 0; k < 4; ++k) {
+        u[4 * k] = _mm512_shuffle_ps(t[4 * k], t[4 * k + 2], 0x44);
+        u[4 * k + 1] = _mm512_shuffle_ps(t[4 * k], t[4 * k + 2], 0xEE);
+        u[4 * k + 2] = _mm512_shuffle_ps(t[4 * k + 1], t[4 * k + 3], 0x44);
+        u[4 * k + 3] = _mm512_shuffle_ps(t[4 * k + 1], t[4 * k + 3], 0xEE);
+    }
+    for (int m = 0; m < 4; ++m) {
+        const __m512 lo_a = _mm512_shuffle_f32x4(u[m], u[4 + m], 0x44);
+        const __m512 hi_a = _mm512_shuffle_f32x4(u[m], u[4 + m], 0xEE);
+        const __m512 lo_b = _mm512_shuffle_f32x4(u[8 + m], u[12 + m], 0x44);
+        const __m512 hi_b = _mm512_shuffle_f32x4(u[8 + m], u[12 + m], 0xEE);
+        r[m] = _mm512_shuffle_f32x4(lo_a, lo_b, 0x88);
+        r[4 + m] = _mm512_shuffle_f32x4(lo_a, lo_b, 0xDD);
+        r[8 + m] = _mm512_shuffle_f32x4(hi_a, hi_b, 0x88);
+        r[12 + m] = _mm512_shuffle_f32x4(hi_a, hi_b, 0xDD);
+    }
+}
+
+static inline void mh_transpose_f64_avx512(__m512d r[8])
+{
+    __m512d t[8];
+    for (int k = 0; k < 4; ++k) {
+        t[2 * k] = _mm512_unpacklo_pd(r[2 * k], r[2 * k + 1]);     /* even columns */
+        t[2 * k + 1] = _mm512_unpackhi_pd(r[2 * k], r[2 * k + 1]); /* odd columns */
+    }
+    for (int p = 0; p < 2; ++p) {
+        const __m512d lo_a = _mm512_shuffle_f64x2(t[p], t[2 + p], 0x44);
+        const __m512d hi_a = _mm512_shuffle_f64x2(t[p], t[2 + p], 0xEE);
+        const __m512d lo_b = _mm512_shuffle_f64x2(t[4 + p], t[6 + p], 0x44);
+        const __m512d hi_b = _mm512_shuffle_f64x2(t[4 + p], t[6 + p], 0xEE);
+        r[p] = _mm512_shuffle_f64x2(lo_a, lo_b, 0x88);
+        r[2 + p] = _mm512_shuffle_f64x2(lo_a, lo_b, 0xDD);
+        r[4 + p] = _mm512_shuffle_f64x2(hi_a, hi_b, 0x88);
+        r[6 + p] = _mm512_shuffle_f64x2(hi_a, hi_b, 0xDD);
+    }
+}
+
 /* ---------------------------------------------------------------- float32 */
 #define T float
 #define V __m512
@@ -30,6 +78,7 @@
 #define V_FMA(a, b, c) _mm512_fmadd_ps((a), (b), (c))
 #define V_EXP(x) mh_exp_f32_avx512(x)
 #define V_HSUM(x) _mm512_reduce_add_ps(x)
+#define V_TRANSPOSE(r) mh_transpose_f32_avx512(r)
 #define V_LOAD_HALF(p) _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p)))
 #define V_LOAD_BF16(p) \
     _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(p))), 16))
@@ -99,6 +148,7 @@ static inline __m512 mh_exp_f32_avx512(__m512 x)
 #define V_FMA(a, b, c) _mm512_fmadd_pd((a), (b), (c))
 #define V_EXP(x) mh_exp_f64_avx512(x)
 #define V_HSUM(x) _mm512_reduce_add_pd(x)
+#define V_TRANSPOSE(r) mh_transpose_f64_avx512(r)
 #define V_NEG_INF_TO_ZERO(x) \
     _mm512_mask_blend_pd(_mm512_cmp_pd_mask((x), _mm512_set1_pd(-INFINITY), _CMP_EQ_OQ), (x), \
                          _mm512_setzero_pd())

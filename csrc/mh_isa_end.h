@@ -25,6 +25,7 @@
 #undef MH_LOAD_KV
 #undef MH_KV_AT
 #undef V_MARK_HIDDEN
+#undef V_TRANSPOSE
 #undef VM
 #undef V_VISIBLE
 #undef V_FMA_VISIBLE
