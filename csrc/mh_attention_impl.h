@@ -11,6 +11,10 @@
  *   V_ZERO() V_SET1(x) V_LOAD(p) V_STORE(p, v)          (unaligned memory)
  *   V_ADD V_SUB V_MUL V_MAX(a, b) V_FMA(a, b, c) = a*b+c
  *   V_EXP(v)     exp per lane; exp(-inf) = 0; NaN stays NaN
+ *   V_EXP2(v)    optional: 2^x per lane for x <= 0 or NaN; 2^-inf = 0
+ *   V_TRANSPOSE(r)  optional: transpose the VW x VW block held in V r[VW]
+ *   V_MARK_HIDDEN(p, s), VM, V_VISIBLE(p), V_FMA_VISIBLE(a, b, c, m)
+ *                optional vector selects for hidden entries (see MH_IS_HIDDEN)
  *   V_NEG_INF_TO_ZERO(v)  lanes equal to -inf become 0
  *   V_HSUM(v)    sum of the lanes
  *   V_LOAD_HALF(p)  optional: VW float16 values widened to V (float paths)
@@ -29,6 +33,11 @@
  *                  (s[i][j]) and the softmax runs across the keys, VW keys at a
  *                  time; keys and values are read in place when their rows are
  *                  whole vectors.
+ *
+ * Scores are kept in log2 units: the query is pre-scaled by scale * log2(e)
+ * (an additive mask is scaled by log2(e) as it is added), so the softmax
+ * uses 2^x, cheaper than e^x; row_max and the split-key partial maxima are
+ * in the same units.
  *
  * Scratch: see mh_scratch_layout in mh_kernels.h.
  */
@@ -106,6 +115,11 @@ static inline int64_t mh_keys_needed(int64_t row0_visible, int64_t rows_end, int
    without hidden entries take none of these selects. */
 #define MH_IS_HIDDEN(x) ((x) == 0 && signbit(x))
 
+#define MH_LOG2E 1.44269504088896340736
+
+/* What the query is multiplied by: the call's scale, in log2 units. */
+static inline double mh_score_scale(const mh_attn_args *a) { return a->scale * MH_LOG2E; }
+
 /* A key or value block is read in place by the tile path when its row stride
    is at most this many bytes, and copied otherwise. */
 #define MH_DIRECT_ROW_BYTES 1024
@@ -135,6 +149,12 @@ static inline void mh_tile_key_ranges(const mh_attn_args *a, int64_t q0, int64_t
     if (user_hid || j[2] < j[1]) j[1] = j[2] = j[0]; /* no key is plain */
 }
 
+#endif
+
+#ifdef V_EXP2
+#define MH_EXP2(x) V_EXP2(x)
+#else
+#define MH_EXP2(x) V_EXP(V_MUL((x), V_SET1((T)0.69314718055994530942)))
 #endif
 
 /* dst[j][0..n) = src[j][0..n) for `rows` rows; an inline loop the compiler
@@ -337,7 +357,7 @@ static void FN(mask_causal_window)(const mh_attn_args *a, int64_t q0, int64_t ro
     }
 }
 
-/* The user mask (boolean: -inf where not allowed; float: added).  Returns 1
+/* The user mask (boolean: -inf where not allowed; float: added, in log2 units).  Returns 1
    if it may have hidden an entry (a False, or an added -inf), 0 if not. */
 static int FN(mask_user)(const mh_attn_args *a, int64_t pair, int64_t q0, int64_t rows,
                          int64_t k0, int64_t nk, T *s, int64_t row_step, int64_t key_step)
@@ -357,7 +377,7 @@ static int FN(mask_user)(const mh_attn_args *a, int64_t pair, int64_t q0, int64_
         for (int64_t i = 0; i < rows; ++i)
             for (int64_t j = 0; j < nk; ++j) {
                 const T add = mf[(q0 + i) * m->row + (k0 + j) * m->col];
-                s[i * row_step + j * key_step] += add;
+                s[i * row_step + j * key_step] += add * (T)MH_LOG2E; /* log2 units */
                 hid |= add == (T)(-INFINITY);
             }
     }
@@ -432,8 +452,8 @@ MH_INLINE void FN(score_keys)(const T *qt, int64_t E, const T *k, int64_t k_row,
     }
 }
 
-/* st[j][i] = (scale*q_i) . k_j for j < nk keys and the first nvq query vectors.
-   On a tile that crosses the causal diagonal, each group of query vectors only
+/* st[j][i] = (s q_i) . k_j (s: mh_score_scale) for j < nk keys and the first
+   nvq query vectors.  On a tile that crosses the causal diagonal, each group of query vectors only
    computes the keys some of its rows can see (mh_keys_needed); the entries it
    skips are masked to -inf afterwards like their neighbours. */
 static void FN(tile_scores)(const T *qt, int64_t E, const T *k, int64_t k_row, int64_t nk,
@@ -503,18 +523,18 @@ static void FN(tile_softmax)(FN(work) *w, int64_t nvq, int64_t nk, int mark)
         for (int64_t j = 1; j < nk; ++j) m_blk = V_MAX(m_blk, V_LOAD(s + j * BQ));
         V m_new = V_MAX(m_old, m_blk);
         V m_use = V_NEG_INF_TO_ZERO(m_new); /* rows with nothing visible yet */
-        V al = V_EXP(V_SUB(m_old, m_use));
+        V al = MH_EXP2(V_SUB(m_old, m_use));
         V sum = V_ZERO();
         if (mark) {
             for (int64_t j = 0; j < nk; ++j) {
                 const V sj = V_LOAD(s + j * BQ);
-                V p = FN(mark_hidden)(V_EXP(V_SUB(sj, m_use)), sj);
+                V p = FN(mark_hidden)(MH_EXP2(V_SUB(sj, m_use)), sj);
                 V_STORE(s + j * BQ, p);
                 sum = V_ADD(sum, p);
             }
         } else {
             for (int64_t j = 0; j < nk; ++j) {
-                V p = V_EXP(V_SUB(V_LOAD(s + j * BQ), m_use));
+                V p = MH_EXP2(V_SUB(V_LOAD(s + j * BQ), m_use));
                 V_STORE(s + j * BQ, p);
                 sum = V_ADD(sum, p);
             }
@@ -661,7 +681,7 @@ static void FN(attend_tile)(const mh_attn_args *a, int64_t pair, int64_t q0, int
     const int64_t nvq = (nq + VW - 1) / VW, nvv = (Ev + VW - 1) / VW;
     const T *q = (const T *)a->q.base + a->q.off[pair] + q0 * a->q.row;
 
-    FN(load_qt)(q, a->q.row, nq, nvq, E, (T)a->scale, w->qt);
+    FN(load_qt)(q, a->q.row, nq, nvq, E, (T)mh_score_scale(a), w->qt);
     for (int64_t i = 0; i < BQ; ++i) {
         w->row_max[i] = (T)(-INFINITY);
         w->row_sum[i] = 0;
@@ -717,7 +737,7 @@ MH_INLINE void FN(few_rows_dots)(const T *qp, int64_t ep, int64_t nq, const void
     }
 }
 
-/* Step 1: s[i][j] = (scale q_i) . k_j for keys [k0, k0+nk), every mask
+/* Step 1: s[i][j] = (s q_i) . k_j (s: mh_score_scale) for keys [k0, k0+nk), every mask
    applied, the vector padding lanes up to a whole vector set to -inf.
    Returns 1 if the user mask may have hidden an entry. */
 static int FN(few_rows_masked_scores)(const mh_attn_args *a, int64_t pair, int64_t q0,
@@ -765,12 +785,12 @@ static void FN(few_rows_softmax)(FN(work) *w, int64_t nq, int64_t nk, int mark)
         V sum = V_ZERO();
         for (int64_t j = 0; j < nk_pad; j += VW) {
             const V sj = V_LOAD(sr + j);
-            V p = V_EXP(V_SUB(sj, mu));
+            V p = MH_EXP2(V_SUB(sj, mu));
             if (mark) p = FN(mark_hidden)(p, sj);
             V_STORE(sr + j, p);
             sum = V_ADD(sum, p);
         }
-        V_STORE(lanes, V_EXP(V_SET1(m_old - m_use)));
+        V_STORE(lanes, MH_EXP2(V_SET1(m_old - m_use)));
         w->alpha[i] = lanes[0];
         w->row_sum[i] = w->row_sum[i] * lanes[0] + V_HSUM(sum);
         w->row_max[i] = m_new;
@@ -855,7 +875,7 @@ static void FN(attend_few_rows)(const mh_attn_args *a, int64_t pair, int64_t q0,
 {
     const int64_t E = a->head_dim, ep = w->ep, evp = w->evp;
     const T *q = (const T *)a->q.base + a->q.off[pair] + q0 * a->q.row;
-    const T scale = (T)a->scale;
+    const T scale = (T)mh_score_scale(a);
 
     for (int64_t i = 0; i < nq; ++i) {
         for (int64_t d = 0; d < E; ++d) w->qt[i * ep + d] = q[i * a->q.row + d] * scale;
@@ -910,7 +930,7 @@ static void FN(write_weights)(const mh_attn_args *a, int64_t pair, int64_t q0, i
             V inv = V_LOAD(w->row_sum + c * VW);
             for (int64_t j = 0; j < nk; ++j) {
                 T *s = w->st + j * BQ + c * VW;
-                V_STORE(s, V_MUL(V_EXP(V_SUB(V_LOAD(s), m_use)), inv));
+                V_STORE(s, V_MUL(MH_EXP2(V_SUB(V_LOAD(s), m_use)), inv));
             }
         }
         if (a->dropout_p > 0) FN(apply_dropout)(a, pair, q0, nq, k0, nk, w->st, 1, BQ);
@@ -985,7 +1005,7 @@ void FN(mh_merge_item)(const mh_attn_args *a, int64_t pair, void *scratch)
         T sum = has_nan ? (T)NAN : (T)0;
         for (int64_t d = 0; d < Ev; ++d) acc[d] = 0;
         for (int64_t s = 0; s < ns; ++s) {
-            const T f = (T)exp((double)(pm[s * L + i] - m_use));
+            const T f = (T)exp2((double)(pm[s * L + i] - m_use));
             sum += pl[s * L + i] * f;
             for (int64_t d = 0; d < Ev; ++d) acc[d] += pacc[(s * L + i) * Ev + d] * f;
         }
@@ -993,3 +1013,5 @@ void FN(mh_merge_item)(const mh_attn_args *a, int64_t pair, void *scratch)
         for (int64_t d = 0; d < Ev; ++d) out[i * a->out.row + d] = acc[d] * inv;
     }
 }
+
+#undef MH_EXP2

@@ -128,6 +128,26 @@ static inline __m256 mh_exp_f32_avx2(__m256 x)
     return _mm256_andnot_ps(_mm256_cmp_ps(x, lo, _CMP_LT_OQ), y);
 }
 
+/* 2^x for x <= 0 or NaN (mh_exp.h); below -127 it is 0 (-inf gives 0). */
+static inline __m256 mh_exp2_f32_avx2(__m256 x)
+{
+    const __m256 round = _mm256_set1_ps(MH_EXPF_ROUND);
+    const __m256 xc = _mm256_max_ps(_mm256_set1_ps(MH_EXP2F_MIN_ARG), x); /* NaN stays */
+    const __m256 t = _mm256_add_ps(xc, round);
+    const __m256 f = _mm256_sub_ps(xc, _mm256_sub_ps(t, round));
+    __m256 p = _mm256_set1_ps(MH_EXP2F_C6);
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(MH_EXP2F_C5));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(MH_EXP2F_C4));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(MH_EXP2F_C3));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(MH_EXP2F_C2));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(MH_EXP2F_C1));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(MH_EXP2F_C0));
+    const __m256i e = _mm256_slli_epi32(
+        _mm256_add_epi32(_mm256_castps_si256(t), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+#define V_EXP2(x) mh_exp2_f32_avx2(x)
+
 #include "mh_attention_impl.h"
 #include "mh_linear_impl.h"
 #include "mh_isa_end.h"
@@ -179,6 +199,22 @@ static inline __m256d mh_exp_f64_avx2(__m256d x)
     __m256d y = _mm256_mul_pd(p, _mm256_castsi256_pd(e));
     return _mm256_andnot_pd(_mm256_cmp_pd(x, lo, _CMP_LT_OQ), y);
 }
+
+/* 2^x in double for x <= 0 or NaN (mh_exp.h); below -1023 it is 0. */
+static inline __m256d mh_exp2_f64_avx2(__m256d x)
+{
+    const __m256d round = _mm256_set1_pd(MH_EXP_ROUND);
+    const __m256d xc = _mm256_max_pd(_mm256_set1_pd(MH_EXP2_MIN_ARG), x);
+    const __m256d t = _mm256_add_pd(xc, round);
+    const __m256d f = _mm256_sub_pd(xc, _mm256_sub_pd(t, round));
+    __m256d p = _mm256_set1_pd(mh_exp2_f64_poly[0]);
+    for (int i = 1; i <= MH_EXP_DEGREE; ++i)
+        p = _mm256_fmadd_pd(p, f, _mm256_set1_pd(mh_exp2_f64_poly[i]));
+    const __m256i e = _mm256_slli_epi64(
+        _mm256_add_epi64(_mm256_castpd_si256(t), _mm256_set1_epi64x(1023)), 52);
+    return _mm256_mul_pd(p, _mm256_castsi256_pd(e));
+}
+#define V_EXP2(x) mh_exp2_f64_avx2(x)
 
 #include "mh_attention_impl.h"
 #include "mh_linear_impl.h"

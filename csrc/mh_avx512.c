@@ -124,6 +124,23 @@ static inline __m512 mh_exp_f32_avx512(__m512 x)
     return _mm512_scalef_ps(p, n);
 }
 
+/* 2^x for x <= 0 or NaN (mh_exp.h), 2^n applied with scalef. */
+static inline __m512 mh_exp2_f32_avx512(__m512 x)
+{
+    const __m512 xc = _mm512_max_ps(_mm512_set1_ps(MH_EXP2F_SCALEF_MIN_ARG), x);
+    const __m512 n = _mm512_roundscale_ps(xc, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 f = _mm512_sub_ps(xc, n);
+    __m512 p = _mm512_set1_ps(MH_EXP2F_C6);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(MH_EXP2F_C5));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(MH_EXP2F_C4));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(MH_EXP2F_C3));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(MH_EXP2F_C2));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(MH_EXP2F_C1));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(MH_EXP2F_C0));
+    return _mm512_scalef_ps(p, n);
+}
+#define V_EXP2(x) mh_exp2_f32_avx512(x)
+
 #include "mh_attention_impl.h"
 #include "mh_linear_impl.h"
 #include "mh_isa_end.h"
@@ -174,6 +191,19 @@ static inline __m512d mh_exp_f64_avx512(__m512d x)
     __m512d y = _mm512_scalef_pd(p, n);
     return _mm512_mask_blend_pd(_mm512_cmp_pd_mask(x, lo, _CMP_LT_OQ), y, _mm512_setzero_pd());
 }
+
+/* 2^x in double for x <= 0 or NaN (mh_exp.h), 2^n applied with scalef. */
+static inline __m512d mh_exp2_f64_avx512(__m512d x)
+{
+    const __m512d xc = _mm512_max_pd(_mm512_set1_pd(MH_EXP2_SCALEF_MIN_ARG), x);
+    const __m512d n = _mm512_roundscale_pd(xc, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512d f = _mm512_sub_pd(xc, n);
+    __m512d p = _mm512_set1_pd(mh_exp2_f64_poly[0]);
+    for (int i = 1; i <= MH_EXP_DEGREE; ++i)
+        p = _mm512_fmadd_pd(p, f, _mm512_set1_pd(mh_exp2_f64_poly[i]));
+    return _mm512_scalef_pd(p, n);
+}
+#define V_EXP2(x) mh_exp2_f64_avx512(x)
 
 #include "mh_attention_impl.h"
 #include "mh_linear_impl.h"

@@ -26,6 +26,7 @@
 #undef MH_KV_AT
 #undef V_MARK_HIDDEN
 #undef V_TRANSPOSE
+#undef V_EXP2
 #undef VM
 #undef V_VISIBLE
 #undef V_FMA_VISIBLE
