@@ -275,7 +275,8 @@ static FN(work) FN(carve)(const mh_attn_args *a, int64_t nq, void *scratch)
     /* the tile path reads a block's rows many times: in place only when they
        lie close together (a long row stride would map them onto few cache
        sets); otherwise they are copied into kpack / vpack */
-    w.k_direct = a->kv_format == MH_KV_NATIVE && a->k.row * (int64_t)sizeof(T) <= MH_DIRECT_ROW_BYTES;
+    w.k_direct = a->kv_format == MH_KV_NATIVE &&
+                 a->k.row * (int64_t)sizeof(T) <= MH_DIRECT_ROW_BYTES;
     w.v_direct = a->kv_format == MH_KV_NATIVE && a->v_dim % VW == 0 &&
                  a->v.row * (int64_t)sizeof(T) <= MH_DIRECT_ROW_BYTES;
     return w;
@@ -336,7 +337,8 @@ static void FN(mask_causal_window)(const mh_attn_args *a, int64_t q0, int64_t ro
            have left it behind their window */
         const int64_t off = k0 - q0 - a->causal.offset;
         for (int64_t j = 0; j < nk; ++j) {
-            int64_t before = off + j, after = a->causal.window > 0 ? off + j + a->causal.window : rows;
+            int64_t before = off + j;
+            int64_t after = a->causal.window > 0 ? off + j + a->causal.window : rows;
             before = before < 0 ? 0 : (before > rows ? rows : before);
             after = after < before ? before : (after > rows ? rows : after);
             T *sj = s + j * key_step;
@@ -445,7 +447,8 @@ MH_INLINE void FN(score_keys)(const T *qt, int64_t E, const T *k, int64_t k_row,
     k += j * k_row;
     st += j * BQ;
     switch (nkc - j) { /* 0 .. JR-1 keys left; the guards keep R <= JR at compile time */
-#define MH_REST(n) case n: if (n < JR) FN(score_tile)(qt, E, k, k_row, st, n < JR ? n : JR, NV); break;
+#define MH_REST(n) \
+    case n: if (n < JR) FN(score_tile)(qt, E, k, k_row, st, n < JR ? n : JR, NV); break;
     MH_REST(1) MH_REST(2) MH_REST(3) MH_REST(4) MH_REST(5) MH_REST(6) MH_REST(7)
 #undef MH_REST
     default: break;
@@ -614,8 +617,10 @@ MH_INLINE void FN(mix_rows)(const mh_attn_args *a, int64_t q0, int64_t nq, int64
     }
     if (i < nq) mh_tile_key_ranges(a, q0, i, nq - i, k0, nk, cut, user_hid, j);
     switch (nq - i) { /* 0 .. IR-1 rows left */
-#define MH_REST(n) case n: if (n < IR) FN(output_tile)(w->acc + i * evp + c * VW, evp, \
-        w->alpha + i, w->st + i, v + c * VW, v_row, j[0], j[1], j[2], j[3], n < IR ? n : IR, NV); break;
+#define MH_REST(n)                                                                              \
+    case n: if (n < IR) FN(output_tile)(w->acc + i * evp + c * VW, evp, w->alpha + i, w->st + i, \
+                                        v + c * VW, v_row, j[0], j[1], j[2], j[3],               \
+                                        n < IR ? n : IR, NV); break;
     MH_REST(1) MH_REST(2) MH_REST(3) MH_REST(4) MH_REST(5) MH_REST(6) MH_REST(7)
 #undef MH_REST
     default: break;
@@ -641,8 +646,9 @@ static void FN(tile_mix)(const mh_attn_args *a, int64_t pair, int64_t q0, int64_
     for (; c + NVO <= nvv; c += NVO)
         FN(mix_rows)(a, q0, nq, k0, nk, cut, user_hid, v, v_row, c, w, NVO);
     switch (nvv - c) { /* 0 .. NVO-1 value vectors left */
-#define MH_REST(n) case n: if (n < NVO) FN(mix_rows)(a, q0, nq, k0, nk, cut, user_hid, v, v_row, c, \
-        w, n < NVO ? n : NVO); break;
+#define MH_REST(n)                                                                         \
+    case n: if (n < NVO) FN(mix_rows)(a, q0, nq, k0, nk, cut, user_hid, v, v_row, c, w, \
+                                      n < NVO ? n : NVO); break;
     MH_REST(1) MH_REST(2) MH_REST(3) MH_REST(4) MH_REST(5) MH_REST(6) MH_REST(7)
 #undef MH_REST
     default: break;
@@ -687,7 +693,8 @@ static void FN(attend_tile)(const mh_attn_args *a, int64_t pair, int64_t q0, int
         w->row_sum[i] = 0;
     }
     for (int64_t i = 0; i < nq * evp; i += VW) V_STORE(w->acc + i, V_ZERO());
-    if (!w->v_direct && nvv * VW > Ev) /* the last value vector reads padding columns: keep them 0 */
+    /* the last value vector reads padding columns: keep them 0 */
+    if (!w->v_direct && nvv * VW > Ev)
         for (int64_t i = 0; i < BK * evp; ++i) w->vpack[i] = 0;
 
     int64_t k_begin, k_end;
@@ -819,7 +826,8 @@ MH_INLINE void FN(few_rows_output)(T *acc, int64_t evp, const T *alpha, const T 
                 const T ps = p[r * BK + j];
                 const V pj = V_SET1(ps);
                 for (int u = 0; u < NVO; ++u)
-                    o[r][u] = select ? FN(fma_visible)(ps, pj, vv[u], o[r][u]) : V_FMA(pj, vv[u], o[r][u]);
+                    o[r][u] = select ? FN(fma_visible)(ps, pj, vv[u], o[r][u])
+                                     : V_FMA(pj, vv[u], o[r][u]);
             }
         }
         for (int r = 0; r < R; ++r)
@@ -832,7 +840,8 @@ MH_INLINE void FN(few_rows_output)(T *acc, int64_t evp, const T *alpha, const T 
             const V vv = MH_LOAD_KV(MH_KV_AT(vbase, j * v_row + c * VW, half), half);
             for (int r = 0; r < R; ++r) {
                 const T ps = p[r * BK + j];
-                o[r] = select ? FN(fma_visible)(ps, V_SET1(ps), vv, o[r]) : V_FMA(V_SET1(ps), vv, o[r]);
+                const V pj = V_SET1(ps);
+                o[r] = select ? FN(fma_visible)(ps, pj, vv, o[r]) : V_FMA(pj, vv, o[r]);
             }
         }
         for (int r = 0; r < R; ++r) V_STORE(acc + r * evp + c * VW, o[r]);
