@@ -521,28 +521,38 @@ static void FN(tile_softmax)(FN(work) *w, int64_t nvq, int64_t nk, int mark)
 {
     for (int64_t c = 0; c < nvq; ++c) {
         T *s = w->st + c * VW;
-        V m_old = V_LOAD(w->row_max + c * VW);
-        V m_blk = V_LOAD(s);
-        for (int64_t j = 1; j < nk; ++j) m_blk = V_MAX(m_blk, V_LOAD(s + j * BQ));
-        V m_new = V_MAX(m_old, m_blk);
-        V m_use = V_NEG_INF_TO_ZERO(m_new); /* rows with nothing visible yet */
-        V al = MH_EXP2(V_SUB(m_old, m_use));
-        V sum = V_ZERO();
+        const V m_old = V_LOAD(w->row_max + c * VW);
+        /* four running maxima and two running sums: short dependency chains */
+        V mx[4] = {m_old, m_old, m_old, m_old}, sum[2] = {V_ZERO(), V_ZERO()};
+        int64_t j = 0;
+        for (; j + 4 <= nk; j += 4)
+            for (int u = 0; u < 4; ++u) mx[u] = V_MAX(mx[u], V_LOAD(s + (j + u) * BQ));
+        for (; j < nk; ++j) mx[0] = V_MAX(mx[0], V_LOAD(s + j * BQ));
+        const V m_new = V_MAX(V_MAX(mx[0], mx[1]), V_MAX(mx[2], mx[3]));
+        const V m_use = V_NEG_INF_TO_ZERO(m_new); /* rows with nothing visible yet */
+        const V al = MH_EXP2(V_SUB(m_old, m_use));
         if (mark) {
-            for (int64_t j = 0; j < nk; ++j) {
+            for (j = 0; j < nk; ++j) {
                 const V sj = V_LOAD(s + j * BQ);
-                V p = FN(mark_hidden)(MH_EXP2(V_SUB(sj, m_use)), sj);
+                const V p = FN(mark_hidden)(MH_EXP2(V_SUB(sj, m_use)), sj);
                 V_STORE(s + j * BQ, p);
-                sum = V_ADD(sum, p);
+                sum[j & 1] = V_ADD(sum[j & 1], p);
             }
         } else {
-            for (int64_t j = 0; j < nk; ++j) {
-                V p = MH_EXP2(V_SUB(V_LOAD(s + j * BQ), m_use));
+            for (j = 0; j + 2 <= nk; j += 2)
+                for (int u = 0; u < 2; ++u) {
+                    const V p = MH_EXP2(V_SUB(V_LOAD(s + (j + u) * BQ), m_use));
+                    V_STORE(s + (j + u) * BQ, p);
+                    sum[u] = V_ADD(sum[u], p);
+                }
+            if (j < nk) {
+                const V p = MH_EXP2(V_SUB(V_LOAD(s + j * BQ), m_use));
                 V_STORE(s + j * BQ, p);
-                sum = V_ADD(sum, p);
+                sum[0] = V_ADD(sum[0], p);
             }
         }
-        V_STORE(w->row_sum + c * VW, V_FMA(V_LOAD(w->row_sum + c * VW), al, sum));
+        V_STORE(w->row_sum + c * VW,
+                V_FMA(V_LOAD(w->row_sum + c * VW), al, V_ADD(sum[0], sum[1])));
         V_STORE(w->row_max + c * VW, m_new);
         V_STORE(w->alpha + c * VW, al);
     }
