@@ -11,6 +11,10 @@
  *   V_ZERO() V_SET1(x) V_LOAD(p) V_STORE(p, v)          (unaligned memory)
  *   V_ADD V_SUB V_MUL V_MAX(a, b) V_FMA(a, b, c) = a*b+c
  *   V_EXP(v)     exp per lane; exp(-inf) = 0; NaN stays NaN
+ *   V_EXP2(v)    optional: 2^x per lane for x <= 0 or NaN; 2^-inf = 0
+ *   V_TRANSPOSE(r)  optional: transpose the VW x VW block held in V r[VW]
+ *   V_MARK_HIDDEN(p, s), VM, V_VISIBLE(p), V_FMA_VISIBLE(a, b, c, m)
+ *                optional vector selects for hidden entries (see MH_IS_HIDDEN)
  *   V_NEG_INF_TO_ZERO(v)  lanes equal to -inf become 0
  *   V_HSUM(v)    sum of the lanes
  *   V_LOAD_HALF(p)  optional: VW float16 values widened to V (float paths)
@@ -29,6 +33,11 @@
  *                  (s[i][j]) and the softmax runs across the keys, VW keys at a
  *                  time; keys and values are read in place when their rows are
  *                  whole vectors.
+ *
+ * Scores are kept in log2 units: the query is pre-scaled by scale * log2(e)
+ * (an additive mask is scaled by log2(e) as it is added), so the softmax
+ * uses 2^x, cheaper than e^x; row_max and the split-key partial maxima are
+ * in the same units.
  *
  * Scratch: see mh_scratch_layout in mh_kernels.h.
  */
@@ -97,6 +106,55 @@ static inline int64_t mh_keys_needed(int64_t row0_visible, int64_t rows_end, int
     const int64_t n = row0_visible + rows_end - 1;
     return n < 0 ? 0 : (n > nk ? nk : n);
 }
+
+/* Hidden entries.  A score that the causal triangle, the window or the user
+   mask hides is -inf.  On blocks that may hold such entries the softmax stores
+   their probability as -0.0 (not +0.0), and the value mix skips every entry
+   so marked instead of multiplying it: 0 * NaN would be NaN, so a NaN or inf
+   in a hidden key's value would reach rows that never attend to it.  Blocks
+   without hidden entries take none of these selects. */
+#define MH_IS_HIDDEN(x) ((x) == 0 && signbit(x))
+
+#define MH_LOG2E 1.44269504088896340736
+
+/* What the query is multiplied by: the call's scale, in log2 units. */
+static inline double mh_score_scale(const mh_attn_args *a) { return a->scale * MH_LOG2E; }
+
+/* A key or value block is read in place by the tile path when its row stride
+   is at most this many bytes, and copied otherwise. */
+#define MH_DIRECT_ROW_BYTES 1024
+
+/* Key ranges of the block [k0, k0+nk) for rows [i, i+R) of an item starting
+   at q0: j[0] .. j[3] as output_tile takes them.  Without hidden entries all
+   keys are plain; with only causal/window cuts the keys every row sees are
+   plain and the edges go through the select; when the user mask hid entries,
+   every key the rows may see goes through the select. */
+static inline void mh_tile_key_ranges(const mh_attn_args *a, int64_t q0, int64_t i, int64_t R,
+                                      int64_t k0, int64_t nk, int cut, int user_hid, int64_t j[4])
+{
+    int64_t lo_first, hi_first, lo_last, hi_last;
+    if (!cut && !user_hid) {
+        j[0] = j[1] = 0;
+        j[2] = j[3] = nk;
+        return;
+    }
+    mh_visible_keys(a, q0 + i, &lo_first, &hi_first);
+    mh_visible_keys(a, q0 + i + R - 1, &lo_last, &hi_last);
+#define MH_CLAMP(x) ((x) - k0 < 0 ? 0 : ((x) - k0 > nk ? nk : (x) - k0))
+    j[0] = MH_CLAMP(lo_first);
+    j[1] = MH_CLAMP(lo_last);
+    j[2] = MH_CLAMP(hi_first);
+    j[3] = MH_CLAMP(hi_last);
+#undef MH_CLAMP
+    if (user_hid || j[2] < j[1]) j[1] = j[2] = j[0]; /* no key is plain */
+}
+
+#endif
+
+#ifdef V_EXP2
+#define MH_EXP2(x) V_EXP2(x)
+#else
+#define MH_EXP2(x) V_EXP(V_MUL((x), V_SET1((T)0.69314718055994530942)))
 #endif
 
 /* dst[j][0..n) = src[j][0..n) for `rows` rows; an inline loop the compiler
@@ -185,6 +243,8 @@ typedef struct {
     int few_rows;      /* the few-rows path serves this item */
     int k_in_place;    /* few-rows path: keys read in place (rows of whole vectors) */
     int v_in_place;    /* few-rows path: values read in place */
+    int k_direct;      /* tile path: keys read in place (native type, short row stride) */
+    int v_direct;      /* tile path: values read in place (and rows of whole vectors) */
 } FN(work);
 
 static FN(work) FN(carve)(const mh_attn_args *a, int64_t nq, void *scratch)
@@ -212,6 +272,13 @@ static FN(work) FN(carve)(const mh_attn_args *a, int64_t nq, void *scratch)
     w.few_rows = nq <= MH_FEW_ROWS && a->weights == NULL;
     w.k_in_place = widens && a->head_dim % VW == 0;
     w.v_in_place = widens && a->v_dim % VW == 0;
+    /* the tile path reads a block's rows many times: in place only when they
+       lie close together (a long row stride would map them onto few cache
+       sets); otherwise they are copied into kpack / vpack */
+    w.k_direct = a->kv_format == MH_KV_NATIVE &&
+                 a->k.row * (int64_t)sizeof(T) <= MH_DIRECT_ROW_BYTES;
+    w.v_direct = a->kv_format == MH_KV_NATIVE && a->v_dim % VW == 0 &&
+                 a->v.row * (int64_t)sizeof(T) <= MH_DIRECT_ROW_BYTES;
     return w;
 }
 
@@ -258,11 +325,28 @@ static void FN(load_rows)(const mh_attn_args *a, const mh_operand *src,
    [k0, k0+nk): the tile is key-major (row_step 1, key_step BQ), the few-rows
    layout row-major (row_step BK, key_step 1). */
 
-/* -inf where the causal triangle or the window hides the key. */
+/* -inf where the causal triangle or the window hides the key (called only
+   with a causal mask).  Each run of hidden entries is contiguous in memory:
+   per row in the row-major layout, per key in the key-major one. */
 static void FN(mask_causal_window)(const mh_attn_args *a, int64_t q0, int64_t rows, int64_t k0,
                                    int64_t nk, T *s, int64_t row_step, int64_t key_step)
 {
     const T neg_inf = (T)(-INFINITY);
+    if (row_step == 1) {
+        /* key j: rows [0, before) see only earlier keys, rows [after, rows)
+           have left it behind their window */
+        const int64_t off = k0 - q0 - a->causal.offset;
+        for (int64_t j = 0; j < nk; ++j) {
+            int64_t before = off + j;
+            int64_t after = a->causal.window > 0 ? off + j + a->causal.window : rows;
+            before = before < 0 ? 0 : (before > rows ? rows : before);
+            after = after < before ? before : (after > rows ? rows : after);
+            T *sj = s + j * key_step;
+            for (int64_t i = 0; i < before; ++i) sj[i] = neg_inf;
+            for (int64_t i = after; i < rows; ++i) sj[i] = neg_inf;
+        }
+        return;
+    }
     for (int64_t i = 0; i < rows; ++i) {
         int64_t lo, hi;
         mh_visible_keys(a, q0 + i, &lo, &hi);
@@ -275,23 +359,31 @@ static void FN(mask_causal_window)(const mh_attn_args *a, int64_t q0, int64_t ro
     }
 }
 
-/* The user mask (boolean: -inf where not allowed; float: added). */
-static void FN(mask_user)(const mh_attn_args *a, int64_t pair, int64_t q0, int64_t rows,
-                          int64_t k0, int64_t nk, T *s, int64_t row_step, int64_t key_step)
+/* The user mask (boolean: -inf where not allowed; float: added, in log2 units).  Returns 1
+   if it may have hidden an entry (a False, or an added -inf), 0 if not. */
+static int FN(mask_user)(const mh_attn_args *a, int64_t pair, int64_t q0, int64_t rows,
+                         int64_t k0, int64_t nk, T *s, int64_t row_step, int64_t key_step)
 {
     const mh_operand *m = &a->mask;
+    int hid = 0;
     if (a->mask_kind == MH_MASK_BOOL) {
         const unsigned char *mb = (const unsigned char *)m->base + m->off[pair];
         for (int64_t i = 0; i < rows; ++i)
             for (int64_t j = 0; j < nk; ++j)
-                if (!mb[(q0 + i) * m->row + (k0 + j) * m->col])
+                if (!mb[(q0 + i) * m->row + (k0 + j) * m->col]) {
                     s[i * row_step + j * key_step] = (T)(-INFINITY);
+                    hid = 1;
+                }
     } else if (a->mask_kind == MH_MASK_ADD) {
         const T *mf = (const T *)m->base + m->off[pair];
         for (int64_t i = 0; i < rows; ++i)
-            for (int64_t j = 0; j < nk; ++j)
-                s[i * row_step + j * key_step] += mf[(q0 + i) * m->row + (k0 + j) * m->col];
+            for (int64_t j = 0; j < nk; ++j) {
+                const T add = mf[(q0 + i) * m->row + (k0 + j) * m->col];
+                s[i * row_step + j * key_step] += add * (T)MH_LOG2E; /* log2 units */
+                hid |= add == (T)(-INFINITY);
+            }
     }
+    return hid;
 }
 
 /* Probabilities times the dropout keep mask / (1 - p). */
@@ -313,141 +405,286 @@ static void FN(apply_dropout)(const mh_attn_args *a, int64_t pair, int64_t q0, i
 
 /* ---- tile path --------------------------------------------------------------- */
 
-/* st[r][0 .. NV*VW) = k_r . qt for R keys. */
+/* Score tile: st[r][c*VW ..] = k_r . qt[., c*VW ..] for R keys (R <= JR) and NV
+   query vectors (NV <= NVQ); JR x NVQ accumulators stay in registers while d
+   runs over the head dimension, four steps at a time. */
+#define MH_SCORE_STEP(dd)                                                          \
+    do {                                                                           \
+        V qv_[NVQ];                                                                \
+        for (int c_ = 0; c_ < NV; ++c_) qv_[c_] = V_LOAD(qt + (dd) * BQ + c_ * VW); \
+        for (int r_ = 0; r_ < R; ++r_) {                                           \
+            const V kb_ = V_SET1(k[r_ * k_row + (dd)]);                            \
+            for (int c_ = 0; c_ < NV; ++c_) acc[r_][c_] = V_FMA(kb_, qv_[c_], acc[r_][c_]); \
+        }                                                                          \
+    } while (0)
+
 MH_INLINE void FN(score_tile)(const T *qt, int64_t E, const T *k, int64_t k_row,
                               T *st, const int R, const int NV)
 {
     V acc[JR][NVQ];
+    int64_t d = 0;
     for (int r = 0; r < R; ++r)
         for (int c = 0; c < NV; ++c) acc[r][c] = V_ZERO();
-    for (int64_t d = 0; d < E; ++d) {
-        V qv[NVQ];
-        for (int c = 0; c < NV; ++c) qv[c] = V_LOAD(qt + d * BQ + c * VW);
-        for (int r = 0; r < R; ++r) {
-            const V kb = V_SET1(k[r * k_row + d]);
-            for (int c = 0; c < NV; ++c) acc[r][c] = V_FMA(kb, qv[c], acc[r][c]);
-        }
+    for (; d + 4 <= E; d += 4) {
+        MH_SCORE_STEP(d);
+        MH_SCORE_STEP(d + 1);
+        MH_SCORE_STEP(d + 2);
+        MH_SCORE_STEP(d + 3);
     }
+    for (; d < E; ++d) MH_SCORE_STEP(d);
     for (int r = 0; r < R; ++r)
         for (int c = 0; c < NV; ++c) V_STORE(st + r * BQ + c * VW, acc[r][c]);
 }
+#undef MH_SCORE_STEP
 
-/* st[j][i] = (scale*q_i) . k_j for j < nk keys and the first nvq query vectors.
-   On a tile that crosses the causal diagonal, each group of query vectors only
+/* Keys [0, nkc) against NV query vectors: whole JR-key tiles, then one tile
+   of the keys left over. */
+MH_INLINE void FN(score_keys)(const T *qt, int64_t E, const T *k, int64_t k_row, int64_t nkc,
+                              T *st, const int NV)
+{
+    int64_t j = 0;
+    for (; j + JR <= nkc; j += JR) FN(score_tile)(qt, E, k + j * k_row, k_row, st + j * BQ, JR, NV);
+    k += j * k_row;
+    st += j * BQ;
+    switch (nkc - j) { /* 0 .. JR-1 keys left; the guards keep R <= JR at compile time */
+#define MH_REST(n) \
+    case n: if (n < JR) FN(score_tile)(qt, E, k, k_row, st, n < JR ? n : JR, NV); break;
+    MH_REST(1) MH_REST(2) MH_REST(3) MH_REST(4) MH_REST(5) MH_REST(6) MH_REST(7)
+#undef MH_REST
+    default: break;
+    }
+}
+
+/* st[j][i] = (s q_i) . k_j (s: mh_score_scale) for j < nk keys and the first
+   nvq query vectors.  On a tile that crosses the causal diagonal, each group of query vectors only
    computes the keys some of its rows can see (mh_keys_needed); the entries it
    skips are masked to -inf afterwards like their neighbours. */
 static void FN(tile_scores)(const T *qt, int64_t E, const T *k, int64_t k_row, int64_t nk,
                             int64_t nvq, int64_t row0_visible, T *st)
 {
     int64_t c = 0;
-    for (; c + NVQ <= nvq; c += NVQ) {
-        const int64_t nkc = mh_keys_needed(row0_visible, (c + NVQ) * VW, nk);
-        int64_t j = 0;
-        for (; j + JR <= nkc; j += JR)
-            FN(score_tile)(qt + c * VW, E, k + j * k_row, k_row, st + j * BQ + c * VW, JR, NVQ);
-        for (; j < nkc; ++j)
-            FN(score_tile)(qt + c * VW, E, k + j * k_row, k_row, st + j * BQ + c * VW, 1, NVQ);
-    }
-    for (; c < nvq; ++c) {
-        const int64_t nkc = mh_keys_needed(row0_visible, (c + 1) * VW, nk);
-        int64_t j = 0;
-        for (; j + JR <= nkc; j += JR)
-            FN(score_tile)(qt + c * VW, E, k + j * k_row, k_row, st + j * BQ + c * VW, JR, 1);
-        for (; j < nkc; ++j)
-            FN(score_tile)(qt + c * VW, E, k + j * k_row, k_row, st + j * BQ + c * VW, 1, 1);
+    for (; c + NVQ <= nvq; c += NVQ)
+        FN(score_keys)(qt + c * VW, E, k, k_row, mh_keys_needed(row0_visible, (c + NVQ) * VW, nk),
+                       st + c * VW, NVQ);
+    switch (nvq - c) { /* 0 .. NVQ-1 query vectors left */
+#define MH_REST(n) case n: if (n < NVQ) FN(score_keys)(qt + c * VW, E, k, k_row, \
+        mh_keys_needed(row0_visible, (c + n) * VW, nk), st + c * VW, n < NVQ ? n : NVQ); break;
+    MH_REST(1) MH_REST(2) MH_REST(3) MH_REST(4) MH_REST(5) MH_REST(6) MH_REST(7)
+#undef MH_REST
+    default: break;
     }
 }
 
 /* Step 1: scaled scores of keys [k0, k0+nk) for the item's rows (and the
    vector padding lanes after them), every mask applied (-inf = hidden).
-   Loads the key block into kpack first. */
-static void FN(tile_masked_scores)(const mh_attn_args *a, int64_t pair, int64_t q0, int64_t nq,
-                                   int64_t nvq, int64_t k0, int64_t nk, FN(work) *w)
+   Reads the key block in place or copies it into kpack first.  Returns 1 if
+   the user mask may have hidden an entry. */
+static int FN(tile_masked_scores)(const mh_attn_args *a, int64_t pair, int64_t q0, int64_t nq,
+                                  int64_t nvq, int64_t k0, int64_t nk, FN(work) *w)
 {
     const int64_t E = a->head_dim;
-    FN(load_rows)(a, &a->k, &a->k_scale, pair, k0, nk, E, w->kpack, E);
-    FN(tile_scores)(w->qt, E, w->kpack, E, nk, nvq, mh_row0_visible(a, q0, k0, nk), w->st);
+    const T *k = w->kpack;
+    int64_t k_row = E;
+    if (w->k_direct) {
+        k = (const T *)a->k.base + a->k.off[pair] + k0 * a->k.row;
+        k_row = a->k.row;
+    } else {
+        FN(load_rows)(a, &a->k, &a->k_scale, pair, k0, nk, E, w->kpack, E);
+    }
+    FN(tile_scores)(w->qt, E, k, k_row, nk, nvq, mh_row0_visible(a, q0, k0, nk), w->st);
     /* only blocks that cross the diagonal or the window edge need element
        masking; padding lanes are masked too so every entry is defined */
     if (mh_block_is_cut(a, q0, nq, k0, nk))
         FN(mask_causal_window)(a, q0, nvq * VW, k0, nk, w->st, 1, BQ);
-    FN(mask_user)(a, pair, q0, nq, k0, nk, w->st, 1, BQ);
+    return FN(mask_user)(a, pair, q0, nq, k0, nk, w->st, 1, BQ);
+}
+
+/* p where s is not -inf; -0.0 where it is (the mark of a hidden entry). */
+MH_INLINE V FN(mark_hidden)(V p, V s)
+{
+#ifdef V_MARK_HIDDEN
+    return V_MARK_HIDDEN(p, s);
+#else
+    T pl[VW], sl[VW];
+    V_STORE(pl, p);
+    V_STORE(sl, s);
+    for (int l = 0; l < VW; ++l)
+        if (sl[l] == (T)(-INFINITY)) pl[l] = (T)(-0.0);
+    return V_LOAD(pl);
+#endif
 }
 
 /* Step 2: online softmax, vectorised across query rows: st becomes the
-   unnormalised probabilities, alpha the rescale of the accumulator. */
-static void FN(tile_softmax)(FN(work) *w, int64_t nvq, int64_t nk)
+   unnormalised probabilities, alpha the rescale of the accumulator.  With
+   `mark`, hidden entries (-inf) become -0.0 so the mix can skip them. */
+static void FN(tile_softmax)(FN(work) *w, int64_t nvq, int64_t nk, int mark)
 {
     for (int64_t c = 0; c < nvq; ++c) {
         T *s = w->st + c * VW;
-        V m_old = V_LOAD(w->row_max + c * VW);
-        V m_blk = V_LOAD(s);
-        for (int64_t j = 1; j < nk; ++j) m_blk = V_MAX(m_blk, V_LOAD(s + j * BQ));
-        V m_new = V_MAX(m_old, m_blk);
-        V m_use = V_NEG_INF_TO_ZERO(m_new); /* rows with nothing visible yet */
-        V al = V_EXP(V_SUB(m_old, m_use));
-        V sum = V_ZERO();
-        for (int64_t j = 0; j < nk; ++j) {
-            V p = V_EXP(V_SUB(V_LOAD(s + j * BQ), m_use));
-            V_STORE(s + j * BQ, p);
-            sum = V_ADD(sum, p);
+        const V m_old = V_LOAD(w->row_max + c * VW);
+        /* four running maxima and two running sums: short dependency chains */
+        V mx[4] = {m_old, m_old, m_old, m_old}, sum[2] = {V_ZERO(), V_ZERO()};
+        int64_t j = 0;
+        for (; j + 4 <= nk; j += 4)
+            for (int u = 0; u < 4; ++u) mx[u] = V_MAX(mx[u], V_LOAD(s + (j + u) * BQ));
+        for (; j < nk; ++j) mx[0] = V_MAX(mx[0], V_LOAD(s + j * BQ));
+        const V m_new = V_MAX(V_MAX(mx[0], mx[1]), V_MAX(mx[2], mx[3]));
+        const V m_use = V_NEG_INF_TO_ZERO(m_new); /* rows with nothing visible yet */
+        const V al = MH_EXP2(V_SUB(m_old, m_use));
+        if (mark) {
+            for (j = 0; j < nk; ++j) {
+                const V sj = V_LOAD(s + j * BQ);
+                const V p = FN(mark_hidden)(MH_EXP2(V_SUB(sj, m_use)), sj);
+                V_STORE(s + j * BQ, p);
+                sum[j & 1] = V_ADD(sum[j & 1], p);
+            }
+        } else {
+            for (j = 0; j + 2 <= nk; j += 2)
+                for (int u = 0; u < 2; ++u) {
+                    const V p = MH_EXP2(V_SUB(V_LOAD(s + (j + u) * BQ), m_use));
+                    V_STORE(s + (j + u) * BQ, p);
+                    sum[u] = V_ADD(sum[u], p);
+                }
+            if (j < nk) {
+                const V p = MH_EXP2(V_SUB(V_LOAD(s + j * BQ), m_use));
+                V_STORE(s + j * BQ, p);
+                sum[0] = V_ADD(sum[0], p);
+            }
         }
-        V_STORE(w->row_sum + c * VW, V_FMA(V_LOAD(w->row_sum + c * VW), al, sum));
+        V_STORE(w->row_sum + c * VW,
+                V_FMA(V_LOAD(w->row_sum + c * VW), al, V_ADD(sum[0], sum[1])));
         V_STORE(w->row_max + c * VW, m_new);
         V_STORE(w->alpha + c * VW, al);
     }
 }
 
-/* acc[r] = alpha[r]*acc[r] + sum_j p[j][r] * v[j] for R rows, NV value vectors. */
-MH_INLINE void FN(output_tile)(T *acc, int64_t evp, const T *alpha, const T *pt, int64_t nk,
-                               const T *v, int64_t v_row, const int R, const int NV)
+/* acc + p*x, or acc unchanged when p (the broadcast of ps) is marked hidden. */
+MH_INLINE V FN(fma_visible)(T ps, V p, V x, V acc)
+{
+#ifdef V_FMA_VISIBLE
+    (void)ps;
+    return V_FMA_VISIBLE(p, x, acc, V_VISIBLE(p));
+#else
+    return MH_IS_HIDDEN(ps) ? acc : V_FMA(p, x, acc);
+#endif
+}
+
+/* One key of the output tile: o[r][c] += p[j][r] * v[j][c]; with `select`,
+   entries marked hidden (p == -0.0) are skipped rather than multiplied. */
+#define MH_MIX_KEY(jj, select)                                                       \
+    do {                                                                             \
+        V vv_[NVO];                                                                  \
+        for (int c_ = 0; c_ < NV; ++c_) vv_[c_] = V_LOAD(v + (jj) * v_row + c_ * VW); \
+        for (int r_ = 0; r_ < R; ++r_) {                                             \
+            const T ps_ = pt[(jj) * BQ + r_];                                         \
+            const V p_ = V_SET1(ps_);                                                \
+            for (int c_ = 0; c_ < NV; ++c_)                                          \
+                o[r_][c_] = (select) ? FN(fma_visible)(ps_, p_, vv_[c_], o[r_][c_])  \
+                                     : V_FMA(p_, vv_[c_], o[r_][c_]);                \
+        }                                                                            \
+    } while (0)
+
+/* acc[r] = alpha[r]*acc[r] + sum_j p[j][r] * v[j] for R rows (R <= IR) and NV
+   value vectors (NV <= NVO): keys [j1, j2) are visible to every row; keys
+   [j0, j1) and [j2, j3) only to some, so they go through the select.  The
+   rescale is skipped when no row's running max moved (alpha == 1). */
+MH_INLINE void FN(output_tile)(T *acc, int64_t evp, const T *alpha, const T *pt, const T *v,
+                               int64_t v_row, int64_t j0, int64_t j1, int64_t j2, int64_t j3,
+                               const int R, const int NV)
 {
     V o[IR][NVO];
-    for (int r = 0; r < R; ++r) {
-        const V a = V_SET1(alpha[r]);
-        for (int c = 0; c < NV; ++c) o[r][c] = V_MUL(V_LOAD(acc + r * evp + c * VW), a);
-    }
-    for (int64_t j = 0; j < nk; ++j) {
-        V vv[NVO];
-        for (int c = 0; c < NV; ++c) vv[c] = V_LOAD(v + j * v_row + c * VW);
+    int moved = 0;
+    for (int r = 0; r < R; ++r) moved |= alpha[r] != (T)1;
+    if (moved) {
         for (int r = 0; r < R; ++r) {
-            const V p = V_SET1(pt[j * BQ + r]);
-            for (int c = 0; c < NV; ++c) o[r][c] = V_FMA(p, vv[c], o[r][c]);
+            const V a = V_SET1(alpha[r]);
+            for (int c = 0; c < NV; ++c) o[r][c] = V_MUL(V_LOAD(acc + r * evp + c * VW), a);
         }
+    } else {
+        for (int r = 0; r < R; ++r)
+            for (int c = 0; c < NV; ++c) o[r][c] = V_LOAD(acc + r * evp + c * VW);
     }
+    int64_t j = j0;
+    for (; j < j1; ++j) MH_MIX_KEY(j, 1);
+    for (; j < j2; ++j) MH_MIX_KEY(j, 0);
+    for (; j < j3; ++j) MH_MIX_KEY(j, 1);
     for (int r = 0; r < R; ++r)
         for (int c = 0; c < NV; ++c) V_STORE(acc + r * evp + c * VW, o[r][c]);
 }
+#undef MH_MIX_KEY
 
-/* Step 3: acc[i][0 .. nvv*VW) = alpha[i]*acc[i] + P^T[:, i] . v for i < nq, the
-   value block loaded into vpack first; each row tile stops at the last key
-   its rows can see. */
-static void FN(tile_mix)(const mh_attn_args *a, int64_t pair, int64_t q0, int64_t nq,
-                         int64_t k0, int64_t nk, FN(work) *w)
+/* Output tiles of rows [0, nq) for NV value vectors starting at column vector c. */
+MH_INLINE void FN(mix_rows)(const mh_attn_args *a, int64_t q0, int64_t nq, int64_t k0, int64_t nk,
+                            int cut, int user_hid, const T *v, int64_t v_row, int64_t c,
+                            FN(work) *w, const int NV)
 {
-    const int64_t evp = w->evp, nvv = (a->v_dim + VW - 1) / VW;
-    const int64_t row0_visible = mh_row0_visible(a, q0, k0, nk);
-    const T *v = w->vpack, *st = w->st, *alpha = w->alpha;
-    T *acc = w->acc;
-    FN(load_rows)(a, &a->v, &a->v_scale, pair, k0, nk, a->v_dim, w->vpack, evp);
-    int64_t c = 0;
-    for (; c + NVO <= nvv; c += NVO) {
-        int64_t i = 0;
-        for (; i + IR <= nq; i += IR)
-            FN(output_tile)(acc + i * evp + c * VW, evp, alpha + i, st + i,
-                            mh_keys_needed(row0_visible, i + IR, nk), v + c * VW, evp, IR, NVO);
-        for (; i < nq; ++i)
-            FN(output_tile)(acc + i * evp + c * VW, evp, alpha + i, st + i,
-                            mh_keys_needed(row0_visible, i + 1, nk), v + c * VW, evp, 1, NVO);
+    const int64_t evp = w->evp;
+    int64_t i = 0, j[4];
+    for (; i + IR <= nq; i += IR) {
+        mh_tile_key_ranges(a, q0, i, IR, k0, nk, cut, user_hid, j);
+        FN(output_tile)(w->acc + i * evp + c * VW, evp, w->alpha + i, w->st + i, v + c * VW,
+                        v_row, j[0], j[1], j[2], j[3], IR, NV);
     }
-    for (; c < nvv; ++c) {
-        int64_t i = 0;
-        for (; i + IR <= nq; i += IR)
-            FN(output_tile)(acc + i * evp + c * VW, evp, alpha + i, st + i,
-                            mh_keys_needed(row0_visible, i + IR, nk), v + c * VW, evp, IR, 1);
-        for (; i < nq; ++i)
-            FN(output_tile)(acc + i * evp + c * VW, evp, alpha + i, st + i,
-                            mh_keys_needed(row0_visible, i + 1, nk), v + c * VW, evp, 1, 1);
+    if (i < nq) mh_tile_key_ranges(a, q0, i, nq - i, k0, nk, cut, user_hid, j);
+    switch (nq - i) { /* 0 .. IR-1 rows left */
+#define MH_REST(n)                                                                              \
+    case n: if (n < IR) FN(output_tile)(w->acc + i * evp + c * VW, evp, w->alpha + i, w->st + i, \
+                                        v + c * VW, v_row, j[0], j[1], j[2], j[3],               \
+                                        n < IR ? n : IR, NV); break;
+    MH_REST(1) MH_REST(2) MH_REST(3) MH_REST(4) MH_REST(5) MH_REST(6) MH_REST(7)
+#undef MH_REST
+    default: break;
+    }
+}
+
+/* Step 3: acc[i][0 .. nvv*VW) = alpha[i]*acc[i] + P^T[:, i] . v for i < nq,
+   the value block read in place or copied into vpack first; each row tile
+   stops at the last key its rows can see. */
+static void FN(tile_mix)(const mh_attn_args *a, int64_t pair, int64_t q0, int64_t nq,
+                         int64_t k0, int64_t nk, int cut, int user_hid, FN(work) *w)
+{
+    const int64_t nvv = (a->v_dim + VW - 1) / VW;
+    const T *v = w->vpack;
+    int64_t v_row = w->evp;
+    if (w->v_direct) {
+        v = (const T *)a->v.base + a->v.off[pair] + k0 * a->v.row;
+        v_row = a->v.row;
+    } else {
+        FN(load_rows)(a, &a->v, &a->v_scale, pair, k0, nk, a->v_dim, w->vpack, w->evp);
+    }
+    int64_t c = 0;
+    for (; c + NVO <= nvv; c += NVO)
+        FN(mix_rows)(a, q0, nq, k0, nk, cut, user_hid, v, v_row, c, w, NVO);
+    switch (nvv - c) { /* 0 .. NVO-1 value vectors left */
+#define MH_REST(n)                                                                         \
+    case n: if (n < NVO) FN(mix_rows)(a, q0, nq, k0, nk, cut, user_hid, v, v_row, c, w, \
+                                      n < NVO ? n : NVO); break;
+    MH_REST(1) MH_REST(2) MH_REST(3) MH_REST(4) MH_REST(5) MH_REST(6) MH_REST(7)
+#undef MH_REST
+    default: break;
+    }
+}
+
+/* qt[d][i] = scale * q[i][d] for rows i < nq; 0 in the padding lanes up to
+   nvq * VW.  Whole VW x VW blocks go through the path's vector transpose. */
+static void FN(load_qt)(const T *q, int64_t q_row, int64_t nq, int64_t nvq, int64_t E, T scale,
+                        T *qt)
+{
+    int64_t d0 = 0;
+#ifdef V_TRANSPOSE
+    const V vs = V_SET1(scale);
+    for (; d0 + VW <= E; d0 += VW)
+        for (int64_t i0 = 0; i0 < nvq * VW; i0 += VW) {
+            V r[VW];
+            for (int l = 0; l < VW; ++l)
+                r[l] = i0 + l < nq ? V_MUL(V_LOAD(q + (i0 + l) * q_row + d0), vs) : V_ZERO();
+            V_TRANSPOSE(r);
+            for (int l = 0; l < VW; ++l) V_STORE(qt + (d0 + l) * BQ + i0, r[l]);
+        }
+#endif
+    for (int64_t d = d0; d < E; ++d) {
+        for (int64_t i = 0; i < nq; ++i) qt[d * BQ + i] = q[i * q_row + d] * scale;
+        for (int64_t i = nq; i < nvq * VW; ++i) qt[d * BQ + i] = 0;
     }
 }
 
@@ -459,29 +696,26 @@ static void FN(attend_tile)(const mh_attn_args *a, int64_t pair, int64_t q0, int
     const int64_t E = a->head_dim, Ev = a->v_dim, evp = w->evp;
     const int64_t nvq = (nq + VW - 1) / VW, nvv = (Ev + VW - 1) / VW;
     const T *q = (const T *)a->q.base + a->q.off[pair] + q0 * a->q.row;
-    const T scale = (T)a->scale;
 
-    /* transposed and pre-scaled; pad lanes with zeros */
-    for (int64_t d = 0; d < E; ++d) {
-        for (int64_t i = 0; i < nq; ++i) w->qt[d * BQ + i] = q[i * a->q.row + d] * scale;
-        for (int64_t i = nq; i < nvq * VW; ++i) w->qt[d * BQ + i] = 0;
-    }
+    FN(load_qt)(q, a->q.row, nq, nvq, E, (T)mh_score_scale(a), w->qt);
     for (int64_t i = 0; i < BQ; ++i) {
         w->row_max[i] = (T)(-INFINITY);
         w->row_sum[i] = 0;
     }
-    for (int64_t i = 0; i < nq * evp; ++i) w->acc[i] = 0;
-    if (nvv * VW > Ev) /* the last value vector reads padding columns: keep them 0 */
+    for (int64_t i = 0; i < nq * evp; i += VW) V_STORE(w->acc + i, V_ZERO());
+    /* the last value vector reads padding columns: keep them 0 */
+    if (!w->v_direct && nvv * VW > Ev)
         for (int64_t i = 0; i < BK * evp; ++i) w->vpack[i] = 0;
 
     int64_t k_begin, k_end;
     mh_key_range(a, q0, nq, k_lo, k_hi, &k_begin, &k_end);
     for (int64_t k0 = k_begin; k0 < k_end; k0 += BK) {
         const int64_t nk = (k_end - k0 < BK) ? k_end - k0 : BK;
-        FN(tile_masked_scores)(a, pair, q0, nq, nvq, k0, nk, w);
-        FN(tile_softmax)(w, nvq, nk);
+        const int cut = mh_block_is_cut(a, q0, nq, k0, nk);
+        const int user_hid = FN(tile_masked_scores)(a, pair, q0, nq, nvq, k0, nk, w);
+        FN(tile_softmax)(w, nvq, nk, cut || user_hid);
         if (a->dropout_p > 0) FN(apply_dropout)(a, pair, q0, nq, k0, nk, w->st, 1, BQ);
-        FN(tile_mix)(a, pair, q0, nq, k0, nk, w);
+        FN(tile_mix)(a, pair, q0, nq, k0, nk, cut, user_hid, w);
     }
 }
 
@@ -520,9 +754,10 @@ MH_INLINE void FN(few_rows_dots)(const T *qp, int64_t ep, int64_t nq, const void
     }
 }
 
-/* Step 1: s[i][j] = (scale q_i) . k_j for keys [k0, k0+nk), every mask
-   applied, the vector padding lanes up to a whole vector set to -inf. */
-static void FN(few_rows_masked_scores)(const mh_attn_args *a, int64_t pair, int64_t q0,
+/* Step 1: s[i][j] = (s q_i) . k_j (s: mh_score_scale) for keys [k0, k0+nk), every mask
+   applied, the vector padding lanes up to a whole vector set to -inf.
+   Returns 1 if the user mask may have hidden an entry. */
+static int FN(few_rows_masked_scores)(const mh_attn_args *a, int64_t pair, int64_t q0,
                                        int64_t nq, int64_t k0, int64_t nk, FN(work) *w)
 {
     const int64_t E = a->head_dim, ep = w->ep;
@@ -540,13 +775,15 @@ static void FN(few_rows_masked_scores)(const mh_attn_args *a, int64_t pair, int6
     }
     if (mh_block_is_cut(a, q0, nq, k0, nk))
         FN(mask_causal_window)(a, q0, nq, k0, nk, w->st, BK, 1);
-    FN(mask_user)(a, pair, q0, nq, k0, nk, w->st, BK, 1);
+    const int user_hid = FN(mask_user)(a, pair, q0, nq, k0, nk, w->st, BK, 1);
     for (int64_t i = 0; i < nq; ++i)
         for (int64_t j = nk; j < nk_pad; ++j) w->st[i * BK + j] = (T)(-INFINITY);
+    return user_hid;
 }
 
-/* Step 2: online softmax of each row across the block's keys. */
-static void FN(few_rows_softmax)(FN(work) *w, int64_t nq, int64_t nk)
+/* Step 2: online softmax of each row across the block's keys; with `mark`,
+   hidden entries (-inf) become -0.0 so the mix can skip them. */
+static void FN(few_rows_softmax)(FN(work) *w, int64_t nq, int64_t nk, int mark)
 {
     const T neg_inf = (T)(-INFINITY);
     const int64_t nk_pad = (nk + VW - 1) / VW * VW;
@@ -564,11 +801,13 @@ static void FN(few_rows_softmax)(FN(work) *w, int64_t nq, int64_t nk)
         const V mu = V_SET1(m_use);
         V sum = V_ZERO();
         for (int64_t j = 0; j < nk_pad; j += VW) {
-            const V p = V_EXP(V_SUB(V_LOAD(sr + j), mu));
+            const V sj = V_LOAD(sr + j);
+            V p = MH_EXP2(V_SUB(sj, mu));
+            if (mark) p = FN(mark_hidden)(p, sj);
             V_STORE(sr + j, p);
             sum = V_ADD(sum, p);
         }
-        V_STORE(lanes, V_EXP(V_SET1(m_old - m_use)));
+        V_STORE(lanes, MH_EXP2(V_SET1(m_old - m_use)));
         w->alpha[i] = lanes[0];
         w->row_sum[i] = w->row_sum[i] * lanes[0] + V_HSUM(sum);
         w->row_max[i] = m_new;
@@ -580,7 +819,7 @@ static void FN(few_rows_softmax)(FN(work) *w, int64_t nq, int64_t nk)
    float16 when `half`. */
 MH_INLINE void FN(few_rows_output)(T *acc, int64_t evp, const T *alpha, const T *p, int64_t nk,
                                    const void *vbase, int64_t v_row, int64_t nvv, const int R,
-                                   const int half)
+                                   const int half, const int select)
 {
     int64_t c = 0;
     for (; c + NVO <= nvv; c += NVO) {
@@ -594,8 +833,11 @@ MH_INLINE void FN(few_rows_output)(T *acc, int64_t evp, const T *alpha, const T 
             for (int u = 0; u < NVO; ++u)
                 vv[u] = MH_LOAD_KV(MH_KV_AT(vbase, j * v_row + (c + u) * VW, half), half);
             for (int r = 0; r < R; ++r) {
-                const V pj = V_SET1(p[r * BK + j]);
-                for (int u = 0; u < NVO; ++u) o[r][u] = V_FMA(pj, vv[u], o[r][u]);
+                const T ps = p[r * BK + j];
+                const V pj = V_SET1(ps);
+                for (int u = 0; u < NVO; ++u)
+                    o[r][u] = select ? FN(fma_visible)(ps, pj, vv[u], o[r][u])
+                                     : V_FMA(pj, vv[u], o[r][u]);
             }
         }
         for (int r = 0; r < R; ++r)
@@ -606,7 +848,11 @@ MH_INLINE void FN(few_rows_output)(T *acc, int64_t evp, const T *alpha, const T 
         for (int r = 0; r < R; ++r) o[r] = V_MUL(V_LOAD(acc + r * evp + c * VW), V_SET1(alpha[r]));
         for (int64_t j = 0; j < nk; ++j) {
             const V vv = MH_LOAD_KV(MH_KV_AT(vbase, j * v_row + c * VW, half), half);
-            for (int r = 0; r < R; ++r) o[r] = V_FMA(V_SET1(p[r * BK + j]), vv, o[r]);
+            for (int r = 0; r < R; ++r) {
+                const T ps = p[r * BK + j];
+                const V pj = V_SET1(ps);
+                o[r] = select ? FN(fma_visible)(ps, pj, vv, o[r]) : V_FMA(pj, vv, o[r]);
+            }
         }
         for (int r = 0; r < R; ++r) V_STORE(acc + r * evp + c * VW, o[r]);
     }
@@ -615,7 +861,7 @@ MH_INLINE void FN(few_rows_output)(T *acc, int64_t evp, const T *alpha, const T 
 /* Step 3: acc = alpha * acc + P V for the block's values (in place, or copied
    into vpack when their rows are not whole vectors). */
 static void FN(few_rows_mix)(const mh_attn_args *a, int64_t pair, int64_t nq, int64_t k0,
-                             int64_t nk, FN(work) *w)
+                             int64_t nk, int select, FN(work) *w)
 {
     const int64_t evp = w->evp, nvv = (a->v_dim + VW - 1) / VW;
     const void *vb = w->vpack;
@@ -628,9 +874,10 @@ static void FN(few_rows_mix)(const mh_attn_args *a, int64_t pair, int64_t nq, in
     } else {
         FN(load_rows)(a, &a->v, &a->v_scale, pair, k0, nk, a->v_dim, w->vpack, evp);
     }
-#define MH_MIX(R)                                                                        \
-    (half ? FN(few_rows_output)(w->acc, evp, w->alpha, w->st, nk, vb, v_row, nvv, R, 1)  \
-          : FN(few_rows_output)(w->acc, evp, w->alpha, w->st, nk, vb, v_row, nvv, R, 0))
+#define MH_MIX2(R, H)                                                                       \
+    (select ? FN(few_rows_output)(w->acc, evp, w->alpha, w->st, nk, vb, v_row, nvv, R, H, 1) \
+            : FN(few_rows_output)(w->acc, evp, w->alpha, w->st, nk, vb, v_row, nvv, R, H, 0))
+#define MH_MIX(R) (half ? MH_MIX2(R, 1) : MH_MIX2(R, 0))
     switch (nq) {
     case 1: MH_MIX(1); break;
     case 2: MH_MIX(2); break;
@@ -638,6 +885,7 @@ static void FN(few_rows_mix)(const mh_attn_args *a, int64_t pair, int64_t nq, in
     default: MH_MIX(4); break;
     }
 #undef MH_MIX
+#undef MH_MIX2
 }
 
 /* Few-rows path over keys [k_lo, k_hi): same results layout as attend_tile. */
@@ -646,7 +894,7 @@ static void FN(attend_few_rows)(const mh_attn_args *a, int64_t pair, int64_t q0,
 {
     const int64_t E = a->head_dim, ep = w->ep, evp = w->evp;
     const T *q = (const T *)a->q.base + a->q.off[pair] + q0 * a->q.row;
-    const T scale = (T)a->scale;
+    const T scale = (T)mh_score_scale(a);
 
     for (int64_t i = 0; i < nq; ++i) {
         for (int64_t d = 0; d < E; ++d) w->qt[i * ep + d] = q[i * a->q.row + d] * scale;
@@ -664,10 +912,11 @@ static void FN(attend_few_rows)(const mh_attn_args *a, int64_t pair, int64_t q0,
     mh_key_range(a, q0, nq, k_lo, k_hi, &k_begin, &k_end);
     for (int64_t k0 = k_begin; k0 < k_end; k0 += BK) {
         const int64_t nk = (k_end - k0 < BK) ? k_end - k0 : BK;
-        FN(few_rows_masked_scores)(a, pair, q0, nq, k0, nk, w);
-        FN(few_rows_softmax)(w, nq, nk);
+        const int cut = mh_block_is_cut(a, q0, nq, k0, nk);
+        const int user_hid = FN(few_rows_masked_scores)(a, pair, q0, nq, k0, nk, w);
+        FN(few_rows_softmax)(w, nq, nk, cut || user_hid);
         if (a->dropout_p > 0) FN(apply_dropout)(a, pair, q0, nq, k0, nk, w->st, BK, 1);
-        FN(few_rows_mix)(a, pair, nq, k0, nk, w);
+        FN(few_rows_mix)(a, pair, nq, k0, nk, cut || user_hid, w);
     }
 }
 
@@ -700,7 +949,7 @@ static void FN(write_weights)(const mh_attn_args *a, int64_t pair, int64_t q0, i
             V inv = V_LOAD(w->row_sum + c * VW);
             for (int64_t j = 0; j < nk; ++j) {
                 T *s = w->st + j * BQ + c * VW;
-                V_STORE(s, V_MUL(V_EXP(V_SUB(V_LOAD(s), m_use)), inv));
+                V_STORE(s, V_MUL(MH_EXP2(V_SUB(V_LOAD(s), m_use)), inv));
             }
         }
         if (a->dropout_p > 0) FN(apply_dropout)(a, pair, q0, nq, k0, nk, w->st, 1, BQ);
@@ -722,8 +971,13 @@ void FN(mh_block_item)(const mh_attn_args *a, int64_t pair, int64_t q0, void *sc
     /* normalise once; rows that saw no key have row_sum == 0 and give zeros */
     for (int64_t i = 0; i < nq; ++i) {
         const T inv = w.row_sum[i] == 0 ? (T)0 : (T)1 / w.row_sum[i];
+        const V vinv = V_SET1(inv);
+        const T *acc = w.acc + i * w.evp;
+        T *o = out + i * a->out.row;
+        int64_t d = 0;
         w.row_sum[i] = inv;
-        for (int64_t d = 0; d < Ev; ++d) out[i * a->out.row + d] = w.acc[i * w.evp + d] * inv;
+        for (; d + VW <= Ev; d += VW) V_STORE(o + d, V_MUL(V_LOAD(acc + d), vinv));
+        for (; d < Ev; ++d) o[d] = acc[d] * inv;
     }
     if (a->weights) FN(write_weights)(a, pair, q0, nq, &w);
 }
@@ -770,7 +1024,7 @@ void FN(mh_merge_item)(const mh_attn_args *a, int64_t pair, void *scratch)
         T sum = has_nan ? (T)NAN : (T)0;
         for (int64_t d = 0; d < Ev; ++d) acc[d] = 0;
         for (int64_t s = 0; s < ns; ++s) {
-            const T f = (T)exp((double)(pm[s * L + i] - m_use));
+            const T f = (T)exp2((double)(pm[s * L + i] - m_use));
             sum += pl[s * L + i] * f;
             for (int64_t d = 0; d < Ev; ++d) acc[d] += pacc[(s * L + i) * Ev + d] * f;
         }
@@ -778,3 +1032,5 @@ void FN(mh_merge_item)(const mh_attn_args *a, int64_t pair, void *scratch)
         for (int64_t d = 0; d < Ev; ++d) out[i * a->out.row + d] = acc[d] * inv;
     }
 }
+
+#undef MH_EXP2

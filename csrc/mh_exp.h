@@ -51,4 +51,30 @@ static const double mh_exp_f64_poly[MH_EXP_DEGREE + 1] = {
     1.0 / 120.0,        1.0 / 24.0,        1.0 / 6.0,        0.5,
     1.0,                1.0};
 
+/* ---- 2^x, the softmax's exponential ----
+   The kernels keep scores in log2 units (the query is pre-scaled by
+   scale * log2(e)), so the softmax needs 2^x for x <= 0 (and NaN): x = n + f
+   with n = round(x) and |f| <= 1/2 exact, 2^f = e^(f ln2) from the
+   polynomials above with each coefficient times ln2^k, 2^n put into the
+   exponent field (or applied with scalef).  No multiply by log2(e) and no
+   two-part ln2 reduction.  float32: 0.93 ulp over [-126, 0] with FMA. */
+#define MH_EXP2F_MIN_ARG (-127.0f)        /* n = -127: zero exponent field, 2^x = 0 exactly */
+#define MH_EXP2F_SCALEF_MIN_ARG (-160.0f) /* scalef paths: 2^n underflows to exactly 0 */
+#define MH_EXP2F_C6 1.53458124e-4f
+#define MH_EXP2F_C5 1.33999309e-3f
+#define MH_EXP2F_C4 9.61848907e-3f
+#define MH_EXP2F_C3 5.55032864e-2f
+#define MH_EXP2F_C2 2.40226462e-1f
+#define MH_EXP2F_C1 6.93147182e-1f
+#define MH_EXP2F_C0 1.0f
+#define MH_EXP2_MIN_ARG (-1023.0)
+#define MH_EXP2_SCALEF_MIN_ARG (-1100.0)
+/* ln2^k / k!, k = 13 down to 0 */
+static const double mh_exp2_f64_poly[MH_EXP_DEGREE + 1] = {
+    1.3691488853904128e-12, 2.5678435993488206e-11, 4.4455382718708116e-10,
+    7.0549116208011234e-09, 1.01780860092397e-07,   1.321548679014431e-06,
+    1.5252733804059841e-05, 1.5403530393381609e-04, 1.3333558146428443e-03,
+    9.6181291076284769e-03, 5.5504108664821583e-02, 2.4022650695910072e-01,
+    6.9314718055994529e-01, 1.0};
+
 #endif /* MANYHEADS_EXP_H */

@@ -24,6 +24,12 @@
 #undef V_HSUM
 #undef MH_LOAD_KV
 #undef MH_KV_AT
+#undef V_MARK_HIDDEN
+#undef V_TRANSPOSE
+#undef V_EXP2
+#undef VM
+#undef V_VISIBLE
+#undef V_FMA_VISIBLE
 #ifdef V_LOAD_HALF
 #undef V_LOAD_HALF
 #endif
