@@ -77,13 +77,16 @@ def set_num_threads(n: int | None) -> None:
     _state["num_threads"] = min(check_num_threads(n, "n"), max_threads())
 
 
+_OPENMP = bool(_kernels.openmp_enabled())
+
+
 def get_num_threads() -> int:
     """Number of threads the next kernel call will use.
 
     1 in a build without OpenMP, and in a process forked from one that had
     loaded manyheads (its OpenMP runtime's threads did not survive the fork).
     """
-    if not _kernels.openmp_enabled() or _state["forked"]:
+    if not _OPENMP or _state["forked"]:
         return 1
     n = _state["num_threads"]
     return int(n) if n is not None else max(1, int(_kernels.omp_max_threads()))
@@ -105,7 +108,7 @@ def resolve_num_threads(n: object) -> int:
     if n is None:
         return min(get_num_threads(), max_threads())
     n = check_num_threads(n)
-    return min(n, max_threads()) if _kernels.openmp_enabled() and not _state["forked"] else 1
+    return min(n, max_threads()) if _OPENMP and not _state["forked"] else 1
 
 
 def _after_fork_in_child() -> None:

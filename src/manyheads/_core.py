@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from . import _blas, _kernels
+from ._validate import dtype_name
 
 __all__ = ["attention", "linear", "apply_rope", "rope_tables", "kernel_ready", "SPLIT_KEYS"]
 
@@ -77,24 +78,20 @@ def _pair_views(q: np.ndarray, kvs: tuple[np.ndarray, ...], enable_gqa: bool
         views = [np.broadcast_to(a[..., :, None, :, :], kv_shape + a.shape[-2:]) for a in kvs]
         return batch, _broadcast(q, batch + (L, E)), views, len(kv_shape)
     batch = q.shape[:-2]
-    if all(a.shape[:-2] == batch for a in kvs):  # the common case: nothing to broadcast
-        return batch, q, list(kvs), len(batch)
+    if len(kvs) == 2 and kvs[0].shape[:-2] == batch == kvs[1].shape[:-2]:
+        return batch, q, list(kvs), len(batch)  # the common case: nothing to broadcast
     batch = broadcast_shapes("query, key and value", batch, *(a.shape[:-2] for a in kvs))
     return (batch, _broadcast(q, batch + (L, E)),
             [_broadcast(a, batch + a.shape[-2:]) for a in kvs], len(batch))
 
 
+_STORAGE_BY_DTYPE = {"float16": "float16", "bfloat16": "bfloat16", "int8": "int8",
+                     "uint8": "int4"}
+
+
 def storage_format(k: np.ndarray) -> str:
     """The kernels' name for the storage of keys/values of dtype ``k.dtype``."""
-    if k.dtype == np.float16:
-        return "float16"
-    if k.dtype.name == "bfloat16":  # ml_dtypes' bfloat16, without importing it
-        return "bfloat16"
-    if k.dtype == np.int8:
-        return "int8"
-    if k.dtype == np.uint8:
-        return "int4"
-    return "native"
+    return _STORAGE_BY_DTYPE.get(dtype_name(k.dtype), "native")
 
 
 def attention(
@@ -130,12 +127,13 @@ def attention(
     against many keys.  Returns the output, or ``(output, weights)`` with
     ``return_weights``.
     """
-    fmt = storage_format(k)
+    fmt = "native" if k.dtype == q.dtype else storage_format(k)
     L, E = q.shape[-2:]
     S, Ev = v.shape[-2], v.shape[-1] * (2 if fmt == "int4" else 1)
     q = kernel_ready(q)
-    bits = np.uint16 if fmt in ("float16", "bfloat16") else None
-    kvs = tuple(kernel_ready(a if bits is None else a.view(bits)) for a in (k, v))
+    if fmt in ("float16", "bfloat16"):
+        k, v = k.view(np.uint16), v.view(np.uint16)
+    kvs: tuple[np.ndarray, ...] = (kernel_ready(k), kernel_ready(v))
     if k_scale is not None and v_scale is not None:  # int4: float16 pairs, read as bits
         kvs += tuple(kernel_ready(a.view(np.uint16) if a.dtype == np.float16 else a)
                      for a in (k_scale, v_scale))

@@ -95,14 +95,28 @@ def check_float_dtype(dtype: Any, name: str = "dtype") -> np.dtype:
     return dt
 
 
-HALF_DTYPE_NAMES = ("float16", "bfloat16")  # bfloat16: ml_dtypes' dtype, recognised by name
 ATTENTION_DTYPES_TEXT = "float32, float64, float16 or ml_dtypes.bfloat16"
+_DTYPE_NAMES: dict[np.dtype, str] = {}
+
+
+def dtype_name(dt: np.dtype) -> str:
+    """``dt.name``, remembered: NumPy builds the name anew on every access (about a
+    microsecond), and ml_dtypes' bfloat16 is recognised by it without importing ml_dtypes."""
+    name = _DTYPE_NAMES.get(dt)
+    if name is None:
+        name = _DTYPE_NAMES[dt] = str(dt.name)
+    return name
+
+
+def is_half(dt: np.dtype) -> bool:
+    """float16 or ml_dtypes' bfloat16."""
+    return dtype_name(dt) in ("float16", "bfloat16")
 
 
 def as_attention_array(x: Any, name: str) -> np.ndarray:
     """``x`` as a float32/float64/float16/bfloat16 array (integer array-likes become
     float64); TypeError naming the supported dtypes otherwise."""
-    if isinstance(x, np.ndarray) and x.dtype.name in HALF_DTYPE_NAMES:
+    if isinstance(x, np.ndarray) and (x.dtype in FLOAT_DTYPES or is_half(x.dtype)):
         return x
     try:
         return as_float_array(x, name)

@@ -13,7 +13,7 @@ import numpy as np
 
 from . import _config, _core
 from ._validate import (ATTENTION_DTYPES_TEXT, FLOAT_DTYPES, FLOAT_DTYPES_TEXT,
-                        HALF_DTYPE_NAMES, as_attention_array, as_float_array, check_bool,
+                        as_attention_array, as_float_array, check_bool,
                         check_dropout, check_optional_real, seed_value)
 
 __all__ = ["scaled_dot_product_attention", "linear", "SUPPORTED_DTYPES"]
@@ -149,7 +149,7 @@ def scaled_dot_product_attention(
             and q.shape[-3] % k.shape[-3] == 0:
         raise ValueError(f"query has {q.shape[-3]} heads and key/value {k.shape[-3]}: for "
                          f"grouped-query attention pass enable_gqa=True")
-    half = q.dtype if q.dtype.name in HALF_DTYPE_NAMES else None
+    half = q.dtype if q.dtype not in FLOAT_DTYPES else None
     compute = np.dtype(np.float32) if half is not None else q.dtype
     mask = None if attn_mask is None else _check_mask(attn_mask, compute)
     rw = check_bool(return_weights, "return_weights")
