@@ -21,6 +21,7 @@
  *   V_LOAD_BF16(p)  optional: VW bfloat16 values widened to V (float paths)
  *   V_LOAD_I8(p)    optional: VW int8 values converted to V (float paths)
  *   V_LOAD_U4(p)    optional: VW 4-bit values from VW/2 bytes (low nibble first) to V
+ *   S_HALF_TO_FLOAT(h)  optional: one float16 (bits) to float in an instruction
  *
  * A work item has two paths, which share the same three steps per key block
  * (scores with every mask applied, online softmax, value mix):
@@ -164,6 +165,9 @@ static inline int64_t mh_row_offset(const mh_attn_args *a, const mh_operand *op,
     return op->off[pair * mh_group(a) + g] + (q0 + i) * op->row;
 }
 
+/* int4 rows read in place have at most this many groups (head sizes up to 512). */
+#define MH_I4_MAX_GROUPS 16
+
 /* Bytes per stored K/V element. */
 static inline int64_t mh_kv_bytes(int fmt, int64_t native)
 {
@@ -175,6 +179,12 @@ static inline float mh_row_scale(int fmt, const char *scale, int64_t scale_bytes
 {
     return fmt == MH_KV_I8 ? *(const float *)(scale + j * scale_bytes) : 1.0f;
 }
+#endif
+
+#ifdef S_HALF_TO_FLOAT
+#define MH_HALF_TO_FLOAT(h) S_HALF_TO_FLOAT(h)
+#else
+#define MH_HALF_TO_FLOAT(h) mh_half_to_float(h)
 #endif
 
 #ifdef V_EXP2
@@ -310,8 +320,10 @@ static FN(work) FN(carve)(const mh_attn_args *a, int64_t nq, void *scratch)
     w.ep = s.ep;
     w.evp = s.evp;
     w.few_rows = (nq <= MH_FEW_ROWS || a->group > 1) && a->weights == NULL;
-    w.k_in_place = widens && a->head_dim % VW == 0;
-    w.v_in_place = widens && a->v_dim % VW == 0;
+    w.k_in_place = widens && a->head_dim % VW == 0 &&
+                   (a->kv_format != MH_KV_I4 || a->head_dim <= MH_I4_MAX_GROUPS * MH_I4_GROUP);
+    w.v_in_place = widens && a->v_dim % VW == 0 &&
+                   (a->kv_format != MH_KV_I4 || a->v_dim <= MH_I4_MAX_GROUPS * MH_I4_GROUP);
     /* the tile path reads a block's rows many times: in place only when they
        lie close together (a long row stride would map them onto few cache
        sets); otherwise they are copied into kpack / vpack */
@@ -755,12 +767,22 @@ static void FN(attend_tile)(const mh_attn_args *a, int64_t pair, int64_t q0, int
 
 
 
+/* An int4 row's (scale, min) pairs: 2 * groups float16 bits widened into sm. */
+MH_INLINE void FN(i4_pairs)(const uint16_t *pairs, int64_t groups, float *sm)
+{
+    int64_t h = 0;
+#ifdef S4_HALF_TO_FLOAT
+    for (; h + 4 <= 2 * groups; h += 4) S4_HALF_TO_FLOAT(sm + h, pairs + h);
+#endif
+    for (; h < 2 * groups; ++h) sm[h] = MH_HALF_TO_FLOAT(pairs[h]);
+}
+
 /* VW values of a stored K/V row from column `col` (a multiple of VW), widened:
    int8 values unscaled (the caller applies the row's scale), int4 with their
-   group's (scale, min) from `pairs` (float16 bits). */
-MH_INLINE V FN(kv_vec)(const char *row, int64_t col, const int fmt, const uint16_t *pairs)
+   group's (scale, min) from `sm` (see i4_pairs). */
+MH_INLINE V FN(kv_vec)(const char *row, int64_t col, const int fmt, const float *sm)
 {
-    (void)pairs;
+    (void)sm;
     switch (fmt) {
 #ifdef V_LOAD_HALF
     case MH_KV_F16: return V_LOAD_HALF((const uint16_t *)row + col);
@@ -772,9 +794,8 @@ MH_INLINE V FN(kv_vec)(const char *row, int64_t col, const int fmt, const uint16
     case MH_KV_I8: return V_LOAD_I8((const int8_t *)row + col);
     case MH_KV_I4: {
         const int64_t g = col / MH_I4_GROUP;
-        return V_FMA(V_LOAD_U4((const uint8_t *)row + col / 2),
-                     V_SET1((T)mh_half_to_float(pairs[2 * g])),
-                     V_SET1((T)mh_half_to_float(pairs[2 * g + 1])));
+        return V_FMA(V_LOAD_U4((const uint8_t *)row + col / 2), V_SET1((T)sm[2 * g]),
+                     V_SET1((T)sm[2 * g + 1]));
     }
 #endif
     default: return V_LOAD((const T *)row + col);
@@ -811,20 +832,37 @@ static FN(kv_rows) FN(kv_in_place)(const mh_attn_args *a, const mh_operand *src,
 MH_INLINE void FN(few_rows_dots)(const T *qp, int64_t ep, int64_t nq, FN(kv_rows) k,
                                  int64_t nk, int64_t nvk, T *s, const int fmt)
 {
+    float pairs[2 * MH_I4_MAX_GROUPS];
     for (int64_t j = 0; j < nk; ++j) {
         const char *kr = k.base + j * k.row_bytes;
-        const uint16_t *pairs = (const uint16_t *)(k.scale + j * k.scale_bytes);
         const T ks = (T)mh_row_scale(fmt, k.scale, k.scale_bytes, j);
+        if (fmt == MH_KV_I4)
+            FN(i4_pairs)((const uint16_t *)(k.scale + j * k.scale_bytes),
+                            nvk * VW / MH_I4_GROUP, pairs);
         for (int64_t r0 = 0; r0 < nq; r0 += 4) {
             const int R = nq - r0 < 4 ? (int)(nq - r0) : 4;
+            const T *q0 = qp + r0 * ep;
             V acc[4] = {V_ZERO(), V_ZERO(), V_ZERO(), V_ZERO()};
-            for (int64_t c0 = 0; c0 < nvk; c0 += 4) {
-                const int U = nvk - c0 < 4 ? (int)(nvk - c0) : 4;
-                V kv[4];
-                for (int u = 0; u < U; ++u) kv[u] = FN(kv_vec)(kr, (c0 + u) * VW, fmt, pairs);
+            int64_t c = 0;
+            /* four key vectors at a time, named (not an array the compiler could
+               turn into a memcpy of the key row) */
+            for (; c + 4 <= nvk; c += 4) {
+                const V k0 = FN(kv_vec)(kr, c * VW, fmt, pairs);
+                const V k1 = FN(kv_vec)(kr, (c + 1) * VW, fmt, pairs);
+                const V k2 = FN(kv_vec)(kr, (c + 2) * VW, fmt, pairs);
+                const V k3 = FN(kv_vec)(kr, (c + 3) * VW, fmt, pairs);
+                for (int r = 0; r < R; ++r) {
+                    const T *q = q0 + r * ep + c * VW;
+                    acc[r] = V_FMA(V_LOAD(q), k0, acc[r]);
+                    acc[r] = V_FMA(V_LOAD(q + VW), k1, acc[r]);
+                    acc[r] = V_FMA(V_LOAD(q + 2 * VW), k2, acc[r]);
+                    acc[r] = V_FMA(V_LOAD(q + 3 * VW), k3, acc[r]);
+                }
+            }
+            for (; c < nvk; ++c) {
+                const V kc = FN(kv_vec)(kr, c * VW, fmt, pairs);
                 for (int r = 0; r < R; ++r)
-                    for (int u = 0; u < U; ++u)
-                        acc[r] = V_FMA(V_LOAD(qp + (r0 + r) * ep + (c0 + u) * VW), kv[u], acc[r]);
+                    acc[r] = V_FMA(V_LOAD(q0 + r * ep + c * VW), kc, acc[r]);
             }
             for (int r = 0; r < R; ++r) s[(r0 + r) * BK + j] = V_HSUM(acc[r]) * ks;
         }
@@ -913,29 +951,50 @@ MH_INLINE void FN(few_rows_output)(T *acc, int64_t evp, const T *alpha, const T 
                                    FN(kv_rows) v, int64_t nvv, const int R, const int fmt,
                                    const int select)
 {
-    for (int64_t c = 0; c < nvv; c += NVO) {
-        const int U = nvv - c < NVO ? (int)(nvv - c) : NVO;
+    float pairs[2 * MH_I4_MAX_GROUPS];
+    int64_t c = 0;
+    for (; c + NVO <= nvv; c += NVO) {
         V o[MH_FEW_ROWS][NVO];
         for (int r = 0; r < R; ++r) {
             const V a = V_SET1(alpha[r]);
-            for (int u = 0; u < U; ++u) o[r][u] = V_MUL(V_LOAD(acc + r * evp + (c + u) * VW), a);
+            for (int u = 0; u < NVO; ++u) o[r][u] = V_MUL(V_LOAD(acc + r * evp + (c + u) * VW), a);
         }
         for (int64_t j = 0; j < nk; ++j) {
             const char *vr = v.base + j * v.row_bytes;
-            const uint16_t *pairs = (const uint16_t *)(v.scale + j * v.scale_bytes);
             const T vs = (T)mh_row_scale(fmt, v.scale, v.scale_bytes, j);
+            if (fmt == MH_KV_I4) /* the groups of this chunk's columns */
+                FN(i4_pairs)((const uint16_t *)(v.scale + j * v.scale_bytes), nvv * VW / MH_I4_GROUP,
+                                pairs);
             V vv[NVO];
-            for (int u = 0; u < U; ++u) vv[u] = FN(kv_vec)(vr, (c + u) * VW, fmt, pairs);
+            for (int u = 0; u < NVO; ++u) vv[u] = FN(kv_vec)(vr, (c + u) * VW, fmt, pairs);
             for (int r = 0; r < R; ++r) {
                 const T ps = p[r * BK + j];
                 const V pj = V_SET1(fmt == MH_KV_I8 ? ps * vs : ps);
-                for (int u = 0; u < U; ++u)
+                for (int u = 0; u < NVO; ++u)
                     o[r][u] = select ? FN(fma_visible)(ps, pj, vv[u], o[r][u])
                                      : V_FMA(pj, vv[u], o[r][u]);
             }
         }
         for (int r = 0; r < R; ++r)
-            for (int u = 0; u < U; ++u) V_STORE(acc + r * evp + (c + u) * VW, o[r][u]);
+            for (int u = 0; u < NVO; ++u) V_STORE(acc + r * evp + (c + u) * VW, o[r][u]);
+    }
+    for (; c < nvv; ++c) {
+        V o[MH_FEW_ROWS];
+        for (int r = 0; r < R; ++r) o[r] = V_MUL(V_LOAD(acc + r * evp + c * VW), V_SET1(alpha[r]));
+        for (int64_t j = 0; j < nk; ++j) {
+            const char *vr = v.base + j * v.row_bytes;
+            const T vs = (T)mh_row_scale(fmt, v.scale, v.scale_bytes, j);
+            if (fmt == MH_KV_I4)
+                FN(i4_pairs)((const uint16_t *)(v.scale + j * v.scale_bytes), nvv * VW / MH_I4_GROUP,
+                                pairs);
+            const V vv = FN(kv_vec)(vr, c * VW, fmt, pairs);
+            for (int r = 0; r < R; ++r) {
+                const T ps = p[r * BK + j];
+                const V pj = V_SET1(fmt == MH_KV_I8 ? ps * vs : ps);
+                o[r] = select ? FN(fma_visible)(ps, pj, vv, o[r]) : V_FMA(pj, vv, o[r]);
+            }
+        }
+        for (int r = 0; r < R; ++r) V_STORE(acc + r * evp + c * VW, o[r]);
     }
 }
 
