@@ -21,6 +21,7 @@
  *   V_LOAD_BF16(p)  optional: VW bfloat16 values widened to V (float paths)
  *   V_LOAD_I8(p)    optional: VW int8 values converted to V (float paths)
  *   V_LOAD_U4(p)    optional: VW 4-bit values from VW/2 bytes (low nibble first) to V
+ *   S_HALF_TO_FLOAT(h)  optional: one float16 (bits) to float in an instruction
  *
  * A work item has two paths, which share the same three steps per key block
  * (scores with every mask applied, online softmax, value mix):
@@ -149,6 +150,41 @@ static inline void mh_tile_key_ranges(const mh_attn_args *a, int64_t q0, int64_t
     if (user_hid || j[2] < j[1]) j[1] = j[2] = j[0]; /* no key is plain */
 }
 
+/* Grouped query heads.  With a->group = G > 1 (decode with grouped-query
+   attention) an item of the few-rows path serves the G query heads that share
+   one kv head: its rows are r = g * L + i (head g of the group, query row i),
+   so every key and value of the kv head is read once for all of them.  `pair`
+   is then the kv pair; query and output offsets are per (pair, g). */
+static inline int64_t mh_group(const mh_attn_args *a) { return a->group > 1 ? a->group : 1; }
+
+/* Element offset of row r of the item's queries (or outputs: `op` = &a->out). */
+static inline int64_t mh_row_offset(const mh_attn_args *a, const mh_operand *op, int64_t pair,
+                                    int64_t q0, int64_t r, int64_t rows_per_head)
+{
+    const int64_t g = r / rows_per_head, i = r % rows_per_head;
+    return op->off[pair * mh_group(a) + g] + (q0 + i) * op->row;
+}
+
+/* int4 rows read in place have at most this many groups (head sizes up to 512). */
+#define MH_I4_MAX_GROUPS 16
+
+/* Bytes per stored K/V element. */
+static inline int64_t mh_kv_bytes(int fmt, int64_t native)
+{
+    return fmt == MH_KV_NATIVE ? native : (fmt == MH_KV_F16 || fmt == MH_KV_BF16) ? 2 : 1;
+}
+
+/* Row j's int8 scale (1 for the other formats). */
+static inline float mh_row_scale(int fmt, const char *scale, int64_t scale_bytes, int64_t j)
+{
+    return fmt == MH_KV_I8 ? *(const float *)(scale + j * scale_bytes) : 1.0f;
+}
+#endif
+
+#ifdef S_HALF_TO_FLOAT
+#define MH_HALF_TO_FLOAT(h) S_HALF_TO_FLOAT(h)
+#else
+#define MH_HALF_TO_FLOAT(h) mh_half_to_float(h)
 #endif
 
 #ifdef V_EXP2
@@ -236,6 +272,24 @@ static inline void FN(i4_row)(T *dst, const uint8_t *src, int64_t n, const uint1
 
 /* ---- one work item's state ------------------------------------------------ */
 
+/* 1 if this instantiation reads `fmt` in place as whole vectors. */
+static inline int FN(reads_in_place)(int fmt)
+{
+    switch (fmt) {
+    case MH_KV_NATIVE: return 1;
+#ifdef V_LOAD_HALF
+    case MH_KV_F16: return 1;
+#endif
+#ifdef V_LOAD_BF16
+    case MH_KV_BF16: return 1;
+#endif
+#if defined(V_LOAD_I8) && defined(V_LOAD_U4)
+    case MH_KV_I8: case MH_KV_I4: return 1;
+#endif
+    default: return 0;
+    }
+}
+
 /* Pointers into one work item's scratch (mh_scratch_plan) and flags. */
 typedef struct {
     T *qt, *st, *acc, *kpack, *vpack, *row_max, *row_sum, *alpha;
@@ -252,13 +306,9 @@ static FN(work) FN(carve)(const mh_attn_args *a, int64_t nq, void *scratch)
     const mh_scratch_layout s = mh_scratch_plan(a->head_dim, a->v_dim);
     T *base = (T *)scratch;
     FN(work) w;
-#ifdef V_LOAD_HALF
-    /* this path widens float16 vectors while it reads; other formats go through
-       load_rows into kpack / vpack */
-    const int widens = a->kv_format == MH_KV_NATIVE || a->kv_format == MH_KV_F16;
-#else
-    const int widens = a->kv_format == MH_KV_NATIVE;
-#endif
+    /* formats this path widens while it reads; the others go through load_rows
+       into kpack / vpack */
+    const int widens = FN(reads_in_place)(a->kv_format);
     w.qt = base + s.qt;
     w.st = base + s.st;
     w.acc = base + s.acc;
@@ -269,9 +319,11 @@ static FN(work) FN(carve)(const mh_attn_args *a, int64_t nq, void *scratch)
     w.alpha = base + s.alpha;
     w.ep = s.ep;
     w.evp = s.evp;
-    w.few_rows = nq <= MH_FEW_ROWS && a->weights == NULL;
-    w.k_in_place = widens && a->head_dim % VW == 0;
-    w.v_in_place = widens && a->v_dim % VW == 0;
+    w.few_rows = (nq <= MH_FEW_ROWS || a->group > 1) && a->weights == NULL;
+    w.k_in_place = widens && a->head_dim % VW == 0 &&
+                   (a->kv_format != MH_KV_I4 || a->head_dim <= MH_I4_MAX_GROUPS * MH_I4_GROUP);
+    w.v_in_place = widens && a->v_dim % VW == 0 &&
+                   (a->kv_format != MH_KV_I4 || a->v_dim <= MH_I4_MAX_GROUPS * MH_I4_GROUP);
     /* the tile path reads a block's rows many times: in place only when they
        lie close together (a long row stride would map them onto few cache
        sets); otherwise they are copied into kpack / vpack */
@@ -721,61 +773,148 @@ static void FN(attend_tile)(const mh_attn_args *a, int64_t pair, int64_t q0, int
 
 /* ---- few-rows path ----------------------------------------------------------- */
 
-#ifdef V_LOAD_HALF
-#define MH_LOAD_KV(ptr, half) ((half) ? V_LOAD_HALF((const uint16_t *)(ptr)) : V_LOAD((const T *)(ptr)))
-#else
-#define MH_LOAD_KV(ptr, half) V_LOAD((const T *)(ptr))
-#endif
-/* element `index` of a K/V row base that holds halves or T */
-#define MH_KV_AT(base, index, half) \
-    ((half) ? (const void *)((const uint16_t *)(base) + (index)) \
-            : (const void *)((const T *)(base) + (index)))
 
-/* s[i][j] = qp_i . k_j for nq rows and nk keys of nvk vectors each (keys read
-   as float16 when `half`). */
-MH_INLINE void FN(few_rows_dots)(const T *qp, int64_t ep, int64_t nq, const void *kbase,
-                                 int64_t k_row, int64_t nk, int64_t nvk, T *s, const int half)
+
+
+
+/* An int4 row's (scale, min) pairs: 2 * groups float16 bits widened into sm. */
+MH_INLINE void FN(i4_pairs)(const uint16_t *pairs, int64_t groups, float *sm)
 {
+    int64_t h = 0;
+#ifdef S4_HALF_TO_FLOAT
+    for (; h + 4 <= 2 * groups; h += 4) S4_HALF_TO_FLOAT(sm + h, pairs + h);
+#endif
+    for (; h < 2 * groups; ++h) sm[h] = MH_HALF_TO_FLOAT(pairs[h]);
+}
+
+/* VW values of a stored K/V row from column `col` (a multiple of VW), widened:
+   int8 values unscaled (the caller applies the row's scale), int4 with their
+   group's (scale, min) from `sm` (see i4_pairs). */
+MH_INLINE V FN(kv_vec)(const char *row, int64_t col, const int fmt, const float *sm)
+{
+    (void)sm;
+    switch (fmt) {
+#ifdef V_LOAD_HALF
+    case MH_KV_F16: return V_LOAD_HALF((const uint16_t *)row + col);
+#endif
+#ifdef V_LOAD_BF16
+    case MH_KV_BF16: return V_LOAD_BF16((const uint16_t *)row + col);
+#endif
+#if defined(V_LOAD_I8) && defined(V_LOAD_U4)
+    case MH_KV_I8: return V_LOAD_I8((const int8_t *)row + col);
+    case MH_KV_I4: {
+        const int64_t g = col / MH_I4_GROUP;
+        return V_FMA(V_LOAD_U4((const uint8_t *)row + col / 2), V_SET1((T)sm[2 * g]),
+                     V_SET1((T)sm[2 * g + 1]));
+    }
+#endif
+    default: return V_LOAD((const T *)row + col);
+    }
+}
+
+/* Where the keys (or values) of rows [k0, ...) of a pair are, in place. */
+typedef struct {
+    const char *base; int64_t row_bytes; /* row j at base + j * row_bytes */
+    const char *scale; int64_t scale_bytes; /* int8 / int4: row j's scale(s) */
+} FN(kv_rows);
+
+static FN(kv_rows) FN(kv_in_place)(const mh_attn_args *a, const mh_operand *src,
+                                   const mh_operand *scale, int64_t pair, int64_t k0)
+{
+    const int64_t eb = mh_kv_bytes(a->kv_format, (int64_t)sizeof(T));
+    FN(kv_rows) r;
+    r.base = (const char *)src->base + (src->off[pair] + k0 * src->row) * eb;
+    r.row_bytes = src->row * eb;
+    r.scale = 0;
+    r.scale_bytes = 0;
+    if (a->kv_format == MH_KV_I8 || a->kv_format == MH_KV_I4) {
+        const int64_t sb = a->kv_format == MH_KV_I8 ? 4 : 2; /* float32 / float16 */
+        r.scale = (const char *)scale->base + (scale->off[pair] + k0 * scale->row) * sb;
+        r.scale_bytes = scale->row * sb;
+    }
+    return r;
+}
+
+
+/* s[i][j] = qp_i . k_j for nq rows and nk keys of nvk vectors each, keys read
+   in place in format `fmt` (rows of 4 query rows x 4 key vectors at a time, so
+   each key vector is widened once per 4 rows). */
+MH_INLINE void FN(few_rows_dots)(const T *qp, int64_t ep, int64_t nq, FN(kv_rows) k,
+                                 int64_t nk, int64_t nvk, T *s, const int fmt)
+{
+    float pairs[2 * MH_I4_MAX_GROUPS];
     for (int64_t j = 0; j < nk; ++j) {
-        const void *kr = MH_KV_AT(kbase, j * k_row, half);
-        for (int64_t i = 0; i < nq; ++i) {
-            const T *qr = qp + i * ep;
-            V acc0 = V_ZERO(), acc1 = V_ZERO();
+        const char *kr = k.base + j * k.row_bytes;
+        const T ks = (T)mh_row_scale(fmt, k.scale, k.scale_bytes, j);
+        if (fmt == MH_KV_I4)
+            FN(i4_pairs)((const uint16_t *)(k.scale + j * k.scale_bytes),
+                            nvk * VW / MH_I4_GROUP, pairs);
+        for (int64_t r0 = 0; r0 < nq; r0 += 4) {
+            const int R = nq - r0 < 4 ? (int)(nq - r0) : 4;
+            const T *q0 = qp + r0 * ep;
+            V acc[4] = {V_ZERO(), V_ZERO(), V_ZERO(), V_ZERO()};
             int64_t c = 0;
-            for (; c + 2 <= nvk; c += 2) {
-                acc0 = V_FMA(V_LOAD(qr + c * VW), MH_LOAD_KV(MH_KV_AT(kr, c * VW, half), half), acc0);
-                acc1 = V_FMA(V_LOAD(qr + (c + 1) * VW),
-                             MH_LOAD_KV(MH_KV_AT(kr, (c + 1) * VW, half), half), acc1);
+            /* four key vectors at a time, named (not an array the compiler could
+               turn into a memcpy of the key row) */
+            for (; c + 4 <= nvk; c += 4) {
+                const V k0 = FN(kv_vec)(kr, c * VW, fmt, pairs);
+                const V k1 = FN(kv_vec)(kr, (c + 1) * VW, fmt, pairs);
+                const V k2 = FN(kv_vec)(kr, (c + 2) * VW, fmt, pairs);
+                const V k3 = FN(kv_vec)(kr, (c + 3) * VW, fmt, pairs);
+                for (int r = 0; r < R; ++r) {
+                    const T *q = q0 + r * ep + c * VW;
+                    acc[r] = V_FMA(V_LOAD(q), k0, acc[r]);
+                    acc[r] = V_FMA(V_LOAD(q + VW), k1, acc[r]);
+                    acc[r] = V_FMA(V_LOAD(q + 2 * VW), k2, acc[r]);
+                    acc[r] = V_FMA(V_LOAD(q + 3 * VW), k3, acc[r]);
+                }
             }
-            if (c < nvk)
-                acc0 = V_FMA(V_LOAD(qr + c * VW), MH_LOAD_KV(MH_KV_AT(kr, c * VW, half), half), acc0);
-            s[i * BK + j] = V_HSUM(V_ADD(acc0, acc1));
+            for (; c < nvk; ++c) {
+                const V kc = FN(kv_vec)(kr, c * VW, fmt, pairs);
+                for (int r = 0; r < R; ++r)
+                    acc[r] = V_FMA(V_LOAD(q0 + r * ep + c * VW), kc, acc[r]);
+            }
+            for (int r = 0; r < R; ++r) s[(r0 + r) * BK + j] = V_HSUM(acc[r]) * ks;
         }
     }
 }
 
 /* Step 1: s[i][j] = (s q_i) . k_j (s: mh_score_scale) for keys [k0, k0+nk), every mask
-   applied, the vector padding lanes up to a whole vector set to -inf.
+   applied (per query head of a group: rows g*L .. g*L+L-1 are positions q0 ..
+   q0+L-1), the vector padding lanes up to a whole vector set to -inf.
    Returns 1 if the user mask may have hidden an entry. */
 static int FN(few_rows_masked_scores)(const mh_attn_args *a, int64_t pair, int64_t q0,
                                        int64_t nq, int64_t k0, int64_t nk, FN(work) *w)
 {
-    const int64_t E = a->head_dim, ep = w->ep;
+    const int64_t E = a->head_dim, ep = w->ep, G = mh_group(a), L = nq / G;
     const int64_t nk_pad = (nk + VW - 1) / VW * VW;
-    const int half = a->kv_format == MH_KV_F16;
+    int user_hid = 0;
     if (w->k_in_place) {
-        const void *kb = MH_KV_AT(a->k.base, a->k.off[pair] + k0 * a->k.row, half);
-        if (half)
-            FN(few_rows_dots)(w->qt, ep, nq, kb, a->k.row, nk, E / VW, w->st, 1);
-        else
-            FN(few_rows_dots)(w->qt, ep, nq, kb, a->k.row, nk, E / VW, w->st, 0);
+        const FN(kv_rows) kr = FN(kv_in_place)(a, &a->k, &a->k_scale, pair, k0);
+#define MH_DOTS(F) FN(few_rows_dots)(w->qt, ep, nq, kr, nk, E / VW, w->st, F)
+        switch (a->kv_format) {
+        case MH_KV_F16: MH_DOTS(MH_KV_F16); break;
+        case MH_KV_BF16: MH_DOTS(MH_KV_BF16); break;
+        case MH_KV_I8: MH_DOTS(MH_KV_I8); break;
+        case MH_KV_I4: MH_DOTS(MH_KV_I4); break;
+        default: MH_DOTS(MH_KV_NATIVE); break;
+        }
+#undef MH_DOTS
     } else {
+        FN(kv_rows) kr;
         FN(load_rows)(a, &a->k, &a->k_scale, pair, k0, nk, E, w->kpack, ep);
-        FN(few_rows_dots)(w->qt, ep, nq, w->kpack, ep, nk, ep / VW, w->st, 0);
+        kr.base = (const char *)w->kpack;
+        kr.row_bytes = ep * (int64_t)sizeof(T);
+        kr.scale = 0;
+        kr.scale_bytes = 0;
+        FN(few_rows_dots)(w->qt, ep, nq, kr, nk, ep / VW, w->st, MH_KV_NATIVE);
     }
-    if (mh_block_is_cut(a, q0, nq, k0, nk))
-        FN(mask_causal_window)(a, q0, nq, k0, nk, w->st, BK, 1);
-    const int user_hid = FN(mask_user)(a, pair, q0, nq, k0, nk, w->st, BK, 1);
+    const int cut = mh_block_is_cut(a, q0, L, k0, nk);
+    for (int64_t g = 0; g < G; ++g) {
+        T *sg = w->st + g * L * BK;
+        if (cut) FN(mask_causal_window)(a, q0, L, k0, nk, sg, BK, 1);
+        user_hid |= FN(mask_user)(a, pair, q0, L, k0, nk, sg, BK, 1);
+    }
     for (int64_t i = 0; i < nq; ++i)
         for (int64_t j = nk; j < nk_pad; ++j) w->st[i * BK + j] = (T)(-INFINITY);
     return user_hid;
@@ -815,12 +954,14 @@ static void FN(few_rows_softmax)(FN(work) *w, int64_t nq, int64_t nk, int mark)
 }
 
 /* acc[r] = alpha[r]*acc[r] + sum_j p[r][j] * v[j] for R (<= MH_FEW_ROWS) rows
-   whose probabilities are stored per row (p[r * BK + j]); values read as
-   float16 when `half`. */
+   whose probabilities are stored per row (p[r * BK + j]); values read in place
+   in format `fmt` (an int8 row's scale folded into its probabilities), each
+   value vector widened once for the R rows; `select` skips hidden entries. */
 MH_INLINE void FN(few_rows_output)(T *acc, int64_t evp, const T *alpha, const T *p, int64_t nk,
-                                   const void *vbase, int64_t v_row, int64_t nvv, const int R,
-                                   const int half, const int select)
+                                   FN(kv_rows) v, int64_t nvv, const int R, const int fmt,
+                                   const int select)
 {
+    float pairs[2 * MH_I4_MAX_GROUPS];
     int64_t c = 0;
     for (; c + NVO <= nvv; c += NVO) {
         V o[MH_FEW_ROWS][NVO];
@@ -829,12 +970,16 @@ MH_INLINE void FN(few_rows_output)(T *acc, int64_t evp, const T *alpha, const T 
             for (int u = 0; u < NVO; ++u) o[r][u] = V_MUL(V_LOAD(acc + r * evp + (c + u) * VW), a);
         }
         for (int64_t j = 0; j < nk; ++j) {
+            const char *vr = v.base + j * v.row_bytes;
+            const T vs = (T)mh_row_scale(fmt, v.scale, v.scale_bytes, j);
+            if (fmt == MH_KV_I4) /* the groups of this chunk's columns */
+                FN(i4_pairs)((const uint16_t *)(v.scale + j * v.scale_bytes), nvv * VW / MH_I4_GROUP,
+                                pairs);
             V vv[NVO];
-            for (int u = 0; u < NVO; ++u)
-                vv[u] = MH_LOAD_KV(MH_KV_AT(vbase, j * v_row + (c + u) * VW, half), half);
+            for (int u = 0; u < NVO; ++u) vv[u] = FN(kv_vec)(vr, (c + u) * VW, fmt, pairs);
             for (int r = 0; r < R; ++r) {
                 const T ps = p[r * BK + j];
-                const V pj = V_SET1(ps);
+                const V pj = V_SET1(fmt == MH_KV_I8 ? ps * vs : ps);
                 for (int u = 0; u < NVO; ++u)
                     o[r][u] = select ? FN(fma_visible)(ps, pj, vv[u], o[r][u])
                                      : V_FMA(pj, vv[u], o[r][u]);
@@ -847,10 +992,15 @@ MH_INLINE void FN(few_rows_output)(T *acc, int64_t evp, const T *alpha, const T 
         V o[MH_FEW_ROWS];
         for (int r = 0; r < R; ++r) o[r] = V_MUL(V_LOAD(acc + r * evp + c * VW), V_SET1(alpha[r]));
         for (int64_t j = 0; j < nk; ++j) {
-            const V vv = MH_LOAD_KV(MH_KV_AT(vbase, j * v_row + c * VW, half), half);
+            const char *vr = v.base + j * v.row_bytes;
+            const T vs = (T)mh_row_scale(fmt, v.scale, v.scale_bytes, j);
+            if (fmt == MH_KV_I4)
+                FN(i4_pairs)((const uint16_t *)(v.scale + j * v.scale_bytes), nvv * VW / MH_I4_GROUP,
+                                pairs);
+            const V vv = FN(kv_vec)(vr, c * VW, fmt, pairs);
             for (int r = 0; r < R; ++r) {
                 const T ps = p[r * BK + j];
-                const V pj = V_SET1(ps);
+                const V pj = V_SET1(fmt == MH_KV_I8 ? ps * vs : ps);
                 o[r] = select ? FN(fma_visible)(ps, pj, vv, o[r]) : V_FMA(pj, vv, o[r]);
             }
         }
@@ -859,45 +1009,60 @@ MH_INLINE void FN(few_rows_output)(T *acc, int64_t evp, const T *alpha, const T 
 }
 
 /* Step 3: acc = alpha * acc + P V for the block's values (in place, or copied
-   into vpack when their rows are not whole vectors). */
+   into vpack when this path cannot read their format or their rows are not
+   whole vectors), 4 rows at a time. */
 static void FN(few_rows_mix)(const mh_attn_args *a, int64_t pair, int64_t nq, int64_t k0,
                              int64_t nk, int select, FN(work) *w)
 {
     const int64_t evp = w->evp, nvv = (a->v_dim + VW - 1) / VW;
-    const void *vb = w->vpack;
-    int64_t v_row = evp;
-    int half = 0;
+    FN(kv_rows) vr;
+    int fmt = MH_KV_NATIVE;
     if (w->v_in_place) {
-        half = a->kv_format == MH_KV_F16;
-        vb = MH_KV_AT(a->v.base, a->v.off[pair] + k0 * a->v.row, half);
-        v_row = a->v.row;
+        fmt = a->kv_format;
+        vr = FN(kv_in_place)(a, &a->v, &a->v_scale, pair, k0);
     } else {
         FN(load_rows)(a, &a->v, &a->v_scale, pair, k0, nk, a->v_dim, w->vpack, evp);
+        vr.base = (const char *)w->vpack;
+        vr.row_bytes = evp * (int64_t)sizeof(T);
+        vr.scale = 0;
+        vr.scale_bytes = 0;
     }
-#define MH_MIX2(R, H)                                                                       \
-    (select ? FN(few_rows_output)(w->acc, evp, w->alpha, w->st, nk, vb, v_row, nvv, R, H, 1) \
-            : FN(few_rows_output)(w->acc, evp, w->alpha, w->st, nk, vb, v_row, nvv, R, H, 0))
-#define MH_MIX(R) (half ? MH_MIX2(R, 1) : MH_MIX2(R, 0))
-    switch (nq) {
-    case 1: MH_MIX(1); break;
-    case 2: MH_MIX(2); break;
-    case 3: MH_MIX(3); break;
-    default: MH_MIX(4); break;
-    }
+    for (int64_t r0 = 0; r0 < nq; r0 += MH_FEW_ROWS) {
+        const int64_t R = nq - r0 < MH_FEW_ROWS ? nq - r0 : MH_FEW_ROWS;
+        T *acc = w->acc + r0 * evp;
+        const T *alpha = w->alpha + r0, *p = w->st + r0 * BK;
+#define MH_MIX3(RR, F, S) FN(few_rows_output)(acc, evp, alpha, p, nk, vr, nvv, RR, F, S)
+#define MH_MIX2(RR, F) (select ? MH_MIX3(RR, F, 1) : MH_MIX3(RR, F, 0))
+#define MH_MIX(RR)                                        \
+        switch (fmt) {                                    \
+        case MH_KV_F16: MH_MIX2(RR, MH_KV_F16); break;    \
+        case MH_KV_BF16: MH_MIX2(RR, MH_KV_BF16); break;  \
+        case MH_KV_I8: MH_MIX2(RR, MH_KV_I8); break;      \
+        case MH_KV_I4: MH_MIX2(RR, MH_KV_I4); break;      \
+        default: MH_MIX2(RR, MH_KV_NATIVE); break;        \
+        }
+        switch (R) {
+        case 1: MH_MIX(1); break;
+        case 2: MH_MIX(2); break;
+        case 3: MH_MIX(3); break;
+        default: MH_MIX(4); break;
+        }
 #undef MH_MIX
 #undef MH_MIX2
+#undef MH_MIX3
+    }
 }
 
 /* Few-rows path over keys [k_lo, k_hi): same results layout as attend_tile. */
 static void FN(attend_few_rows)(const mh_attn_args *a, int64_t pair, int64_t q0, int64_t nq,
                                 int64_t k_lo, int64_t k_hi, FN(work) *w)
 {
-    const int64_t E = a->head_dim, ep = w->ep, evp = w->evp;
-    const T *q = (const T *)a->q.base + a->q.off[pair] + q0 * a->q.row;
+    const int64_t E = a->head_dim, ep = w->ep, evp = w->evp, L = nq / mh_group(a);
     const T scale = (T)mh_score_scale(a);
 
     for (int64_t i = 0; i < nq; ++i) {
-        for (int64_t d = 0; d < E; ++d) w->qt[i * ep + d] = q[i * a->q.row + d] * scale;
+        const T *q = (const T *)a->q.base + mh_row_offset(a, &a->q, pair, q0, i, L);
+        for (int64_t d = 0; d < E; ++d) w->qt[i * ep + d] = q[d] * scale;
         for (int64_t d = E; d < ep; ++d) w->qt[i * ep + d] = 0;
         w->row_max[i] = (T)(-INFINITY);
         w->row_sum[i] = 0;
@@ -909,10 +1074,10 @@ static void FN(attend_few_rows)(const mh_attn_args *a, int64_t pair, int64_t q0,
         for (int64_t i = 0; i < BK * evp; ++i) w->vpack[i] = 0;
 
     int64_t k_begin, k_end;
-    mh_key_range(a, q0, nq, k_lo, k_hi, &k_begin, &k_end);
+    mh_key_range(a, q0, L, k_lo, k_hi, &k_begin, &k_end);
     for (int64_t k0 = k_begin; k0 < k_end; k0 += BK) {
         const int64_t nk = (k_end - k0 < BK) ? k_end - k0 : BK;
-        const int cut = mh_block_is_cut(a, q0, nq, k0, nk);
+        const int cut = mh_block_is_cut(a, q0, L, k0, nk);
         const int user_hid = FN(few_rows_masked_scores)(a, pair, q0, nq, k0, nk, w);
         FN(few_rows_softmax)(w, nq, nk, cut || user_hid);
         if (a->dropout_p > 0) FN(apply_dropout)(a, pair, q0, nq, k0, nk, w->st, BK, 1);
@@ -958,13 +1123,13 @@ static void FN(write_weights)(const mh_attn_args *a, int64_t pair, int64_t q0, i
     }
 }
 
-/* mh_block_fn: rows [q0, q0 + BQ) of pair `pair` against every key. */
+/* mh_block_fn: rows [q0, q0 + BQ) of pair `pair` against every key (with
+   grouped query heads: all G * L rows of the kv pair, q0 = 0). */
 void FN(mh_block_item)(const mh_attn_args *a, int64_t pair, int64_t q0, void *scratch)
 {
-    const int64_t Ev = a->v_dim, S = a->kv_len;
-    const int64_t nq = (a->q_len - q0 < BQ) ? a->q_len - q0 : BQ;
+    const int64_t Ev = a->v_dim, S = a->kv_len, G = mh_group(a);
+    const int64_t nq = G > 1 ? G * a->q_len : ((a->q_len - q0 < BQ) ? a->q_len - q0 : BQ);
     FN(work) w = FN(carve)(a, nq, scratch);
-    T *out = (T *)a->out.base + a->out.off[pair] + q0 * a->out.row;
 
     FN(attend)(a, pair, q0, nq, 0, S, &w);
 
@@ -973,7 +1138,7 @@ void FN(mh_block_item)(const mh_attn_args *a, int64_t pair, int64_t q0, void *sc
         const T inv = w.row_sum[i] == 0 ? (T)0 : (T)1 / w.row_sum[i];
         const V vinv = V_SET1(inv);
         const T *acc = w.acc + i * w.evp;
-        T *o = out + i * a->out.row;
+        T *o = (T *)a->out.base + mh_row_offset(a, &a->out, pair, q0, i, nq / G);
         int64_t d = 0;
         w.row_sum[i] = inv;
         for (; d + VW <= Ev; d += VW) V_STORE(o + d, V_MUL(V_LOAD(acc + d), vinv));
@@ -987,7 +1152,7 @@ void FN(mh_block_item)(const mh_attn_args *a, int64_t pair, int64_t q0, void *sc
    output, row max and row sum to the partial buffers for mh_merge_item. */
 void FN(mh_split_item)(const mh_attn_args *a, int64_t pair, int64_t range, void *scratch)
 {
-    const int64_t L = a->q_len, Ev = a->v_dim, keys = a->split.split_keys;
+    const int64_t L = a->q_len * mh_group(a), Ev = a->v_dim, keys = a->split.split_keys;
     FN(work) w = FN(carve)(a, L, scratch);
     const int64_t part = pair * a->split.n_split + range;
     T *pacc = (T *)a->split.acc + part * L * Ev;
@@ -1006,13 +1171,13 @@ void FN(mh_split_item)(const mh_attn_args *a, int64_t pair, int64_t range, void 
    into the output. */
 void FN(mh_merge_item)(const mh_attn_args *a, int64_t pair, void *scratch)
 {
-    const int64_t L = a->q_len, Ev = a->v_dim, ns = a->split.n_split;
+    const int64_t L = a->q_len * mh_group(a), Ev = a->v_dim, ns = a->split.n_split;
     const T *pacc = (const T *)a->split.acc + pair * ns * L * Ev;
     const T *pm = (const T *)a->split.row_max + pair * ns * L;
     const T *pl = (const T *)a->split.row_sum + pair * ns * L;
-    T *out = (T *)a->out.base + a->out.off[pair];
     T *acc = (T *)scratch;
     for (int64_t i = 0; i < L; ++i) {
+        T *out = (T *)a->out.base + mh_row_offset(a, &a->out, pair, 0, i, a->q_len);
         T m = (T)(-INFINITY);
         int has_nan = 0;
         for (int64_t s = 0; s < ns; ++s) {
@@ -1029,7 +1194,7 @@ void FN(mh_merge_item)(const mh_attn_args *a, int64_t pair, void *scratch)
             for (int64_t d = 0; d < Ev; ++d) acc[d] += pacc[(s * L + i) * Ev + d] * f;
         }
         const T inv = sum == 0 ? (T)0 : (T)1 / sum;
-        for (int64_t d = 0; d < Ev; ++d) out[i * a->out.row + d] = acc[d] * inv;
+        for (int64_t d = 0; d < Ev; ++d) out[d] = acc[d] * inv;
     }
 }
 

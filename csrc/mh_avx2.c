@@ -103,6 +103,9 @@ static inline void mh_transpose_f64_avx2(__m256d r[4])
     _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(p))), 16))
 #define V_LOAD_I8(p) _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p))))
 #define V_LOAD_U4(p) mh_load_u4_avx2((const uint8_t *)(p))
+#define S_HALF_TO_FLOAT(h) _cvtsh_ss(h)
+#define S4_HALF_TO_FLOAT(dst, src) \
+    _mm_storeu_ps((dst), _mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)(src))))
 #define V_NEG_INF_TO_ZERO(x) \
     _mm256_andnot_ps(_mm256_cmp_ps((x), _mm256_set1_ps(-INFINITY), _CMP_EQ_OQ), (x))
 /* hidden entries (mh_attention_impl.h): blendv selects on the sign bit */

@@ -90,6 +90,9 @@ static inline void mh_transpose_f64_avx512(__m512d r[8])
     _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(p))), 16))
 #define V_LOAD_I8(p) _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p))))
 #define V_LOAD_U4(p) mh_load_u4_avx512((const uint8_t *)(p))
+#define S_HALF_TO_FLOAT(h) _cvtsh_ss(h)
+#define S4_HALF_TO_FLOAT(dst, src) \
+    _mm_storeu_ps((dst), _mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)(src))))
 #define V_NEG_INF_TO_ZERO(x) \
     _mm512_mask_blend_ps(_mm512_cmp_ps_mask((x), _mm512_set1_ps(-INFINITY), _CMP_EQ_OQ), (x), \
                          _mm512_setzero_ps())

@@ -42,3 +42,10 @@
 #ifdef V_LOAD_U4
 #undef V_LOAD_U4
 #endif
+#ifdef S_HALF_TO_FLOAT
+#undef S_HALF_TO_FLOAT
+#endif
+#ifdef S4_HALF_TO_FLOAT
+#undef S4_HALF_TO_FLOAT
+#endif
+#undef MH_HALF_TO_FLOAT

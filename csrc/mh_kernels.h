@@ -122,6 +122,14 @@ typedef struct mh_attn_args {
     void *weights;
 
     mh_key_split split; /* n_split == 0 unless the split-key schedule runs */
+
+    /* Query heads per kv head served together (decode with grouped queries):
+       1 normally.  With group G > 1 a pair is a kv pair, the q and out offset
+       tables hold n_pairs * G entries (pair * G + g), and an item's rows are
+       (g, query row) for every g: the few-rows path then reads each key and
+       value once for the G heads (no dropout, no weights; the mask, if any,
+       is per kv pair). */
+    int64_t group;
 } mh_attn_args;
 
 /* Query block: pair `pair`, rows [q_start, min(q_start + MH_BLOCK_Q, L)). */

@@ -134,3 +134,24 @@ def test_unknown_cache_dtypes_list_the_accepted_ones():
     m64 = mh.MultiHeadAttention(32, 64, 64, 0.0, 4, dtype=np.float64)
     with pytest.raises(TypeError, match="float32 modules"):
         m64(np.ones((1, 2, 32)), cache=m64.new_cache(1, 8, dtype="int8"))
+
+
+@pytest.mark.parametrize("fmt", ["float32"] + FORMATS)
+@pytest.mark.parametrize("L,S", [(1, 3000), (4, 300)])
+def test_grouped_decode_reads_each_kv_head_once_and_equals_repeated_heads(rng, fmt, L, S):
+    """Decode with grouped queries serves the query heads that share a kv head in one
+    work item; the result is the bits of the same attention with the kv heads repeated."""
+    from manyheads import _core
+
+    q = normal(rng, (2, 8, L, 64), np.float32)
+    k, v = (normal(rng, (2, 2, S, 64), np.float32) for _ in range(2))
+    kq, ks = quantize(k, fmt)
+    vq, vs = quantize(v, fmt)
+    pad = np.ones((2, 1, 1, S), bool)
+    pad[1, ..., :5] = False
+    kw = dict(scale=0.125, num_threads=2, causal_offset=S - L, mask=pad)
+    grouped = _core.attention(q, kq, vq, k_scale=ks, v_scale=vs, enable_gqa=True, **kw)
+    rep = (lambda a: None if a is None else np.repeat(a, 4, axis=1))
+    repeated = _core.attention(q, rep(kq), rep(vq), k_scale=rep(ks), v_scale=rep(vs), **kw)
+    np.testing.assert_array_equal(grouped, repeated)
+    assert _core._decode_group(q, kq, pad, True, False, 0.0) == 4

@@ -89,6 +89,47 @@ _STORAGE_BY_DTYPE = {"float16": "float16", "bfloat16": "bfloat16", "int8": "int8
                      "uint8": "int4"}
 
 
+def _decode_group(q: np.ndarray, k: np.ndarray, mask: np.ndarray | None, enable_gqa: bool,
+                  return_weights: bool, dropout_p: float) -> int:
+    """Query heads per kv head to serve together (1: no grouping).
+
+    Decode with grouped queries (a few query rows, each kv head shared by
+    several query heads) reads every key and value once for all the heads that
+    share it, when nothing differs between those heads but their queries: no
+    weights, no dropout, a mask (if any) the same for every head.
+    """
+    if not enable_gqa or return_weights or dropout_p > 0:
+        return 1
+    group = int(q.shape[-3] // k.shape[-3])
+    L = q.shape[-2]
+    if group < 2 or L > _kernels.FEW_ROWS or group * L > _kernels.BLOCK_Q:
+        return 1
+    if mask is not None and mask.ndim >= 3 and mask.shape[-3] != 1:
+        return 1
+    return group
+
+
+def _split_axis(a: np.ndarray, axis: int, n: int) -> np.ndarray:
+    """A view of ``a`` with axis ``axis`` (length m * n) split into (m, n)."""
+    axis %= a.ndim
+    shape = a.shape[:axis] + (a.shape[axis] // n, n) + a.shape[axis + 1:]
+    strides = a.strides[:axis] + (a.strides[axis] * n, a.strides[axis]) + a.strides[axis + 1:]
+    return np.lib.stride_tricks.as_strided(a, shape, strides, writeable=a.flags.writeable)
+
+
+def _grouped_views(q: np.ndarray, kvs: tuple[np.ndarray, ...], group: int
+                   ) -> tuple[tuple[int, ...], np.ndarray, list[np.ndarray], int]:
+    """Batch shape (.., kv heads, group), q as (.., kv heads, group, L, E) and the key-side
+    arrays as (.., kv heads, S, x), for a grouped call; the last is the key side's
+    number of batch axes."""
+    L, E = q.shape[-2:]
+    hkv = kvs[0].shape[-3]
+    outer = broadcast_shapes("query, key and value", q.shape[:-3], *(a.shape[:-3] for a in kvs))
+    qv = _split_axis(_broadcast(q, outer + (hkv * group, L, E)), -3, group)
+    views = [_broadcast(a, outer + a.shape[-3:]) for a in kvs]
+    return outer + (hkv, group), qv, views, len(outer) + 1
+
+
 def storage_format(k: np.ndarray) -> str:
     """The kernels' name for the storage of keys/values of dtype ``k.dtype``."""
     return _STORAGE_BY_DTYPE.get(dtype_name(k.dtype), "native")
@@ -137,32 +178,41 @@ def attention(
     if k_scale is not None and v_scale is not None:  # int4: float16 pairs, read as bits
         kvs += tuple(kernel_ready(a.view(np.uint16) if a.dtype == np.float16 else a)
                      for a in (k_scale, v_scale))
-    batch, qv, kv_views, n_kv_batch = _pair_views(q, kvs, enable_gqa)
-    nb = len(batch)
+    group = _decode_group(q, kvs[0], mask, enable_gqa, return_weights, dropout_p)
+    if group > 1:  # each kv head read once for the query heads that share it
+        batch, qv, kv_views, n_kv_batch = _grouped_views(q, kvs, group)
+        nb = n_kv_batch + 1  # q and out: (.., kv heads, group, L, x)
+        mask_batch = batch[:-1]
+    else:
+        batch, qv, kv_views, n_kv_batch = _pair_views(q, kvs, enable_gqa)
+        nb = len(batch)
+        mask_batch = batch
     mv = None
     if mask is not None:
         mask = kernel_ready(mask, contiguous_rows=False)
         try:
-            mv = _broadcast(mask, batch + (L, S))
+            # grouped: the mask's head axis (1) broadcasts over the kv heads
+            mv = _broadcast(mask, mask_batch + (L, S))
         except ValueError:
             raise ValueError(
                 f"attn_mask of shape {mask.shape} does not broadcast to {batch + (L, S)}"
             ) from None
 
+    out_shape = batch + (L, Ev) if group == 1 else batch[:-2] + (batch[-2] * group, L, Ev)
     if out is None:
-        out = np.empty(batch + (L, Ev), dtype=q.dtype)
+        out = np.empty(out_shape, dtype=q.dtype)
     weights = np.zeros(batch + (L, S), dtype=q.dtype) if return_weights else None
-    n_pairs = math.prod(batch)
+    n_pairs = math.prod(batch) if group == 1 else math.prod(batch[:-1])
     if n_pairs and L and (S == 0 or Ev == 0):
         out[...] = 0
     if n_pairs and L and S and Ev:
-        call = _kernels.AttentionCall(q.dtype == np.float64, n_pairs, L, S, E, Ev)
+        call = _kernels.AttentionCall(q.dtype == np.float64, n_pairs, L, S, E, Ev, group)
         call.set_query(qv, nb)
         scales = kv_views[2:] if len(kv_views) == 4 else (None, None)
         call.set_keys_values(kv_views[0], kv_views[1], n_kv_batch, fmt, scales[0], scales[1])
-        call.set_output(out, nb)
+        call.set_output(out if group == 1 else _split_axis(out, -3, group), nb)
         if mv is not None:
-            call.set_mask(mv, nb)
+            call.set_mask(mv, n_kv_batch if group > 1 else nb)
         if causal_offset is not None:
             call.set_causal(int(causal_offset), 0 if window is None else int(window))
         call.set_scale(float(scale))

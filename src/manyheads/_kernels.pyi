@@ -60,7 +60,8 @@ class AttentionCall:
     """
 
     def __init__(self, float64: bool, n_pairs: int, q_len: int, kv_len: int, head_dim: int,
-                 v_dim: int) -> None: ...
+                 v_dim: int, group: int = ...) -> None:
+        """``group`` > 1: pairs are kv pairs, each serving ``group`` query heads at once."""
     def set_query(self, q: _FloatArray, n_batch: int) -> None:
         """Queries (.., L, E); the first ``n_batch`` axes enumerate the pairs."""
 

@@ -63,6 +63,7 @@ cdef extern from "mh_kernels.h" nogil:
         uint64_t seed
         void *weights
         mh_key_split split
+        int64_t group
 
     ctypedef void (*mh_block_fn)(const mh_attn_args *args, int64_t pair, int64_t q_start,
                                  void *scratch) noexcept nogil
@@ -423,11 +424,14 @@ cdef class AttentionCall:
     cdef mh_attn_args a
     cdef bint is_f64
     cdef list _keep
-    cdef int64_t *_offsets  # 7 tables of n_pairs: q, k, v, out, mask, k_scale, v_scale
+    cdef int64_t *_offsets  # 7 tables: q, k, v, out, mask, k_scale, v_scale
+    cdef int64_t _table_len
 
     def __cinit__(self, bint float64, int64_t n_pairs, int64_t q_len, int64_t kv_len,
-                  int64_t head_dim, int64_t v_dim):
-        self._offsets = <int64_t *>malloc(7 * sizeof(int64_t) * (n_pairs if n_pairs > 0 else 1))
+                  int64_t head_dim, int64_t v_dim, int64_t group=1):
+        # with grouped query heads the query and output tables hold n_pairs * group entries
+        self._table_len = (n_pairs if n_pairs > 0 else 1) * (group if group > 1 else 1)
+        self._offsets = <int64_t *>malloc(7 * sizeof(int64_t) * self._table_len)
         if self._offsets == NULL:
             raise MemoryError("cannot allocate the offset tables")
         self.is_f64 = float64
@@ -440,6 +444,7 @@ cdef class AttentionCall:
         self.a.scale = 1.0
         self.a.kv_format = MH_KV_NATIVE
         self.a.mask_kind = MH_MASK_NONE
+        self.a.group = group if group > 1 else 1
 
     def __dealloc__(self):
         free(self._offsets)
@@ -447,7 +452,7 @@ cdef class AttentionCall:
     cdef int _operand(self, mh_operand *op, int table, cnp.ndarray view, int n_batch) except -1:
         cdef int nd = cnp.PyArray_NDIM(view)
         cdef cnp.npy_intp *strides = cnp.PyArray_STRIDES(view)
-        cdef int64_t *off = self._offsets + table * self.a.n_pairs
+        cdef int64_t *off = self._offsets + table * self._table_len
         self._keep.append(view)
         _batch_offsets(view, n_batch, off)
         op.base = cnp.PyArray_DATA(view)
@@ -457,7 +462,8 @@ cdef class AttentionCall:
         return 0
 
     def set_query(self, cnp.ndarray q, int n_batch):
-        """Queries (.., L, E) in the call's float type."""
+        """Queries (.., L, E) in the call's float type (with grouped heads the batch
+        axes end with (kv heads, group))."""
         self._operand(&self.a.q, 0, q, n_batch)
 
     def set_keys_values(self, cnp.ndarray k, cnp.ndarray v, int n_batch, str fmt="native",
@@ -510,7 +516,7 @@ cdef class AttentionCall:
         pending Ctrl-C stops the work within about SIGNAL_CHECK_SECONDS plus
         one work item and raises.
         """
-        cdef int64_t n_pairs = self.a.n_pairs, q_len = self.a.q_len, n_items
+        cdef int64_t n_pairs = self.a.n_pairs, q_len = self.a.q_len * self.a.group, n_items
         cdef size_t elem = 8 if self.is_f64 else 4
         cdef int nt
         cdef void *raw
