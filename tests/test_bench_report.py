@@ -154,7 +154,9 @@ def made_up_inference(identical=True, ob1_us=190.0, hf_s=1.6):
         "layer_shape": dict(_bench.LAYER_SHAPE), "gpt2_shape": dict(_bench.GPT2_SHAPE),
         "tiny_shape": dict(_bench.TINY_SHAPE),
         "tiny_sdpa": {"manyheads_us": 7.0, "torch_us": 6.3, "max_abs_diff": {}, "notes": {}},
-        "layer_decode": {"main": layer(200.0, 320.0, True),
+        "layer_decode": {"main": dict(layer(200.0, 320.0, True),
+                                      blocks=[{"manyheads_us": 190.0, "torch_us": 300.0},
+                                              {"manyheads_us": 210.0, "torch_us": 340.0}]),
                          "openblas1": layer(ob1_us, 330.0, True),
                          "no_torch": layer(195.0, None, False)},
         "generation": {
@@ -253,6 +255,8 @@ def test_inference_report_tables():
     assert any("OPENBLAS_NUM_THREADS=1 (torch imported and used) | 190 | 330 | 1.74× | 1.05× |"
                in x for x in layer_rows)
     assert any("torch never imported | 195 | — | — | 1.03× |" in x for x in layer_rows)
+    assert ("mean of two measurements, before and after the OPENBLAS_NUM_THREADS=1 "
+            "subprocess: manyheads 190 (torch 300), 210 (torch 340) µs") in text
     gen_main = next(x for x in lines if x.startswith("| this process") and "32.0" in x)
     assert "| 32.0 | 20.0 | 1.60× | 1.00× | DIFFER from HF's |" in gen_main
     gen_child = next(x for x in lines if "torch never imported | 40.0" in x)
@@ -279,6 +283,18 @@ def test_inference_report_without_transformers_or_a_child():
     assert "Not measured: torch and transformers are needed." in text
     assert "The openblas1 subprocess failed: ImportError: boom" in text
     assert "| — | not measured |" in text
+
+
+def test_blocks_measured_apart_are_averaged():
+    a = {"manyheads_us": 100.0, "torch_us": 300.0, "max_abs_diff": {"torch": 1e-7},
+         "notes": {}, "torch_in_process": True}
+    b = {"manyheads_us": 140.0, "torch_us": 200.0, "max_abs_diff": {"torch": 3e-7},
+         "notes": {}, "torch_in_process": True}
+    row = _bench._merge_blocks([a, b])
+    assert row["manyheads_us"] == 120.0 and row["torch_us"] == 250.0
+    assert row["max_abs_diff"]["torch"] == 3e-7 and row["torch_in_process"]
+    assert row["blocks"] == [{"manyheads_us": 100.0, "torch_us": 300.0},
+                             {"manyheads_us": 140.0, "torch_us": 200.0}]
 
 
 def test_markdown_of_a_full_run_keeps_every_section():

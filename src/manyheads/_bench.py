@@ -763,7 +763,8 @@ def inference_section(threads: int, with_torch: bool, quick: bool = False,
 
     The layer decode step and manyheads' generation also run in a subprocess
     that never imports torch; the layer decode step once more in a subprocess
-    with ``OPENBLAS_NUM_THREADS=1``.  This process sets no environment variable.
+    with ``OPENBLAS_NUM_THREADS=1``, between two measurements of it here (this
+    process's figure is their mean).  This process sets no environment variable.
     """
     rounds = 3 if quick else 5
     res: dict[str, Any] = {"threads": threads, "layer_shape": dict(LAYER_SHAPE),
@@ -771,8 +772,16 @@ def inference_section(threads: int, with_torch: bool, quick: bool = False,
                            "generation_rounds": rounds}
     res["tiny_sdpa"] = tiny_sdpa_case(threads, with_torch)
     step("SDPA 12 heads x 1 query x 16 keys")
-    res["layer_decode"] = {"main": layer_decode_case(threads, with_torch)}
-    step("layer decode step, cache 1024")
+    # this process's layer step is measured before and after the OPENBLAS_NUM_THREADS=1
+    # subprocess, so a change in the machine's load between them shows and averages out
+    first = layer_decode_case(threads, with_torch)
+    ob1 = run_child("openblas1", None, threads, rounds)
+    second = layer_decode_case(threads, with_torch)
+    res["layer_decode"] = {"main": _merge_blocks([first, second]),
+                           "openblas1": ob1.get("layer")}
+    res["children"] = {"openblas1": {k: ob1.get(k) for k in ("error", "torch_in_process",
+                                                              "env")}}
+    step("layer decode step, cache 1024; again under OPENBLAS_NUM_THREADS=1")
     transformers = _transformers() if with_torch else None
     with tempfile.TemporaryDirectory() as folder:
         gen: dict[str, Any] = {}
@@ -791,13 +800,24 @@ def inference_section(threads: int, with_torch: bool, quick: bool = False,
     res["layer_decode"]["no_torch"] = child.get("layer")
     gen["no_torch"] = child.get("generation")
     res["generation"] = gen
-    res["children"] = {"no-torch": {k: child.get(k) for k in ("error", "torch_in_process")}}
-    ob1 = run_child("openblas1", None, threads, rounds)
-    step("subprocess with OPENBLAS_NUM_THREADS=1")
-    res["layer_decode"]["openblas1"] = ob1.get("layer")
-    res["children"]["openblas1"] = {k: ob1.get(k) for k in ("error", "torch_in_process",
-                                                           "env")}
+    res["children"]["no-torch"] = {k: child.get(k) for k in ("error", "torch_in_process")}
     return res
+
+
+def _merge_blocks(blocks: list[dict[str, Any]]) -> dict[str, Any]:
+    """One row from blocks measured apart: each time the mean of the blocks' medians."""
+    out: dict[str, Any] = {"max_abs_diff": {}, "notes": {}, "blocks": []}
+    for b in blocks:
+        out["blocks"].append({k: v for k, v in b.items() if k.endswith("_us")})
+        for n, d in b.get("max_abs_diff", {}).items():
+            out["max_abs_diff"][n] = max(d, out["max_abs_diff"].get(n, 0.0))
+        out["notes"].update(b.get("notes", {}))
+        out["torch_in_process"] = b.get("torch_in_process")
+    for key in out["blocks"][0]:
+        vals = [b[key] for b in out["blocks"] if key in b]
+        if len(vals) == len(blocks):
+            out[key] = float(np.mean(vals))
+    return out
 
 
 def bars(r: dict[str, Any]) -> list[dict[str, Any]]:
@@ -921,7 +941,7 @@ def run(quick: bool = False, out_dir: str | None = None, repeats: int = 7,
     n_steps = 0
     if "attention" in parts:
         n_steps += 1 + len(Ts) + len(side) + (0 if quick else 2) + 2
-    n_steps += ("module" in parts) + 5 * ("inference" in parts)
+    n_steps += ("module" in parts) + 4 * ("inference" in parts)
     bar = Progress(n_steps, progress)
     results: dict[str, Any] = {
         "config": mh._config.config(),
@@ -1188,10 +1208,18 @@ def _inference_lines(r: dict[str, Any]) -> list[str]:
         t, tt = row["manyheads_us"], row.get("torch_us")
         lines.append(f"| {_process_label(key, row)} | {t:.0f} | {_fmt(tt, '.0f')} | "
                      f"{_ratio(tt, t)} | {_ratio(main.get('manyheads_us'), t)} |")
+    lines.append("")
+    blocks = main.get("blocks") or []
+    if len(blocks) == 2 and "manyheads_us" in blocks[0]:
+        text = ", ".join(f"{b['manyheads_us']:.0f}" + (f" (torch {b['torch_us']:.0f})"
+                                                         if "torch_us" in b else "")
+                         for b in blocks)
+        lines.append(f"This process's row is the mean of two measurements, before and after "
+                     f"the OPENBLAS_NUM_THREADS=1 subprocess: manyheads {text} µs.")
     diffs = [row["max_abs_diff"]["torch"] for row in layer.values()
              if row and "torch" in row.get("max_abs_diff", {})]
     if diffs:
-        lines += ["", f"Checked before timing: largest |torch − manyheads| {max(diffs):.1e}."]
+        lines.append(f"Checked before timing: largest |torch − manyheads| {max(diffs):.1e}.")
     for key, row in layer.items():
         for n, note in (row or {}).get("notes", {}).items():
             lines.append(f"Not timed: {n} in {dict(PROCESS_ROWS)[key]}: {note}.")
