@@ -150,7 +150,7 @@ def made_up_inference(identical=True, ob1_us=190.0, hf_s=1.6):
 
     toks = list(range(32))
     return {
-        "threads": 2, "generation_rounds": 5,
+        "threads": 2, "generation_rounds": 5, "load_average": {"start": 0.5, "end": 1.25},
         "layer_shape": dict(_bench.LAYER_SHAPE), "gpt2_shape": dict(_bench.GPT2_SHAPE),
         "tiny_shape": dict(_bench.TINY_SHAPE),
         "tiny_sdpa": {"manyheads_us": 7.0, "torch_us": 6.3, "max_abs_diff": {}, "notes": {}},
@@ -248,6 +248,7 @@ def test_inference_report_tables():
     lines = text.splitlines()
     assert "kernel path avx512" in text
     assert "load average 0.40 at the start, 1.90 at the end" in text
+    assert "load average 0.50 when this section started, 1.25 when it ended" in text
     assert "SGEMM" not in text and "| T |" not in text  # the attention section did not run
     layer_rows = [x for x in lines if x.startswith("| this process (torch imported and used) | 200 |")
                   or x.startswith("| subprocess")]

@@ -769,7 +769,8 @@ def inference_section(threads: int, with_torch: bool, quick: bool = False,
     rounds = 3 if quick else 5
     res: dict[str, Any] = {"threads": threads, "layer_shape": dict(LAYER_SHAPE),
                            "gpt2_shape": dict(GPT2_SHAPE), "tiny_shape": dict(TINY_SHAPE),
-                           "generation_rounds": rounds}
+                           "generation_rounds": rounds,
+                           "load_average": {"start": _load_average()}}
     res["tiny_sdpa"] = tiny_sdpa_case(threads, with_torch)
     step("SDPA 12 heads x 1 query x 16 keys")
     # this process's layer step is measured before and after the OPENBLAS_NUM_THREADS=1
@@ -801,6 +802,7 @@ def inference_section(threads: int, with_torch: bool, quick: bool = False,
     gen["no_torch"] = child.get("generation")
     res["generation"] = gen
     res["children"]["no-torch"] = {k: child.get(k) for k in ("error", "torch_in_process")}
+    res["load_average"]["end"] = _load_average()
     return res
 
 
@@ -1178,9 +1180,14 @@ def _inference_lines(r: dict[str, Any]) -> list[str]:
     inf = r["inference"]
     errors = {m: c["error"] for m, c in (inf.get("children") or {}).items()
               if c and c.get("error")}
+    load = inf.get("load_average") or {}
+    when = ""
+    if load.get("start") is not None and load.get("end") is not None:
+        when = (f" 1-minute load average {load['start']:.2f} when this section started, "
+                f"{load['end']:.2f} when it ended.")
     lines = [
         "",
-        f"Inference, float32, {inf['threads']} threads on every side, medians. The "
+        f"Inference, float32, {inf['threads']} threads on every side, medians.{when} The "
         "subprocesses are fresh interpreters started by the bench: one with "
         "`sys.modules[\"torch\"] = None` set before manyheads is imported, so torch cannot "
         "load; one with OPENBLAS_NUM_THREADS=1 that measures what this process measures. "
