@@ -134,3 +134,221 @@ def test_report_leaves_out_peers_that_are_not_installed():
     text = _bench.format_markdown(r)
     assert "ONNX Runtime" not in text and "OpenVINO" not in text
     assert "onnxruntime, openvino not installed" in text
+
+
+# ----------------------------------------------------------------------------- inference section
+
+def made_up_inference(identical=True, ob1_us=190.0, hf_s=1.6):
+    """Results of an inference section as run() records them (nothing measured)."""
+    def layer(mh_us, torch_us, torch_in):
+        row = {"manyheads_us": mh_us, "max_abs_diff": {}, "notes": {},
+               "torch_in_process": torch_in}
+        if torch_us is not None:
+            row["torch_us"] = torch_us
+            row["max_abs_diff"]["torch"] = 1.2e-7
+        return row
+
+    toks = list(range(32))
+    return {
+        "threads": 2, "generation_rounds": 5, "load_average": {"start": 0.5, "end": 1.25},
+        "layer_shape": dict(_bench.LAYER_SHAPE), "gpt2_shape": dict(_bench.GPT2_SHAPE),
+        "tiny_shape": dict(_bench.TINY_SHAPE),
+        "tiny_sdpa": {"manyheads_us": 7.0, "torch_us": 6.3, "max_abs_diff": {}, "notes": {}},
+        "layer_decode": {"main": dict(layer(200.0, 320.0, True),
+                                      blocks=[{"manyheads_us": 190.0, "torch_us": 300.0},
+                                              {"manyheads_us": 210.0, "torch_us": 340.0}]),
+                         "openblas1": layer(ob1_us, 330.0, True),
+                         "no_torch": layer(195.0, None, False)},
+        "generation": {
+            "transformers": "5.0",
+            "main": {"loader": "manyheads.models.gpt2.GPT2", "torch_in_process": True,
+                     "manyheads_s": 1.0, "manyheads_tokens_per_s": 32.0, "hf_s": hf_s,
+                     "hf_tokens_per_s": 32 / hf_s, "identical": identical,
+                     "tokens": {"manyheads": toks,
+                                "hf": toks if identical else toks[:-1] + [99]}},
+            "no_torch": {"loader": "manyheads.models.gpt2.GPT2", "torch_in_process": False,
+                         "manyheads_s": 0.8, "manyheads_tokens_per_s": 40.0,
+                         "tokens": {"manyheads": toks}},
+        },
+        "children": {"no-torch": {"error": None, "torch_in_process": False},
+                     "openblas1": {"error": None, "torch_in_process": True,
+                                   "env": {"OPENBLAS_NUM_THREADS": "1"}}},
+    }
+
+
+def inference_only_results(**kw):
+    r = {"config": {"version": "0.1.0", "kernel_isa": "avx512"}, "threads": 2, "cpu_count": 2,
+         "load_average": {"start": 0.4, "end": 1.9}, "torch": "2.13.0+cpu",
+         "peers": {"torch": "2.13.0+cpu", "onnxruntime": None, "openvino": None},
+         "sections": ["module", "inference"],
+         "module": {"fused": 200.0, "stacked": 240.0, "torch": 290.0, "oracle": 700.0},
+         "inference": made_up_inference(**kw)}
+    r["bars"] = _bench.bars(r)
+    return r
+
+
+def test_sections_parse_and_inference_brings_the_module_along():
+    assert _bench.parse_sections(None) == _bench.SECTIONS
+    assert _bench.parse_sections("all") == _bench.SECTIONS
+    assert _bench.parse_sections("inference") == ("module", "inference")
+    assert _bench.parse_sections(["attention"]) == ("attention",)
+    assert _bench.parse_sections(" inference , attention ") == _bench.SECTIONS
+    with pytest.raises(ValueError, match="decoding"):
+        _bench.parse_sections("attention,decoding")
+
+
+def test_unknown_section_is_refused_before_anything_runs(capsys):
+    assert main(["bench", "--section", "decoding"]) == 2
+    assert "decoding" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="decoding"):
+        _bench.run(sections="decoding")
+
+
+def test_bench_help_describes_the_inference_section(capsys):
+    with pytest.raises(SystemExit):
+        main(["bench", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    for words in ("--section", "inference", "KV cache of 1024 tokens", "200-token prompt",
+                  "32 greedy tokens", "generate(do_sample=False)", "never imports torch",
+                  "OPENBLAS_NUM_THREADS=1", "12 heads x 1 query x 16 keys", ">= 1.5x torch",
+                  ">= 1.3x Hugging Face's", ">= 1.2x torch", "within 1.2x"):
+        assert words in text, words
+
+
+def test_bars_are_the_measured_ratios_against_their_thresholds():
+    r = inference_only_results()
+    got = {b["key"]: b for b in r["bars"]}
+    assert set(got) == set(_bench.BARS)
+    assert got["layer_decode"]["ratio"] == pytest.approx(1.6) and got["layer_decode"]["met"]
+    assert got["generation"]["ratio"] == pytest.approx(1.6) and got["generation"]["met"]
+    assert got["module_prefill"]["ratio"] == pytest.approx(1.45) and got["module_prefill"]["met"]
+    assert got["tiny_sdpa"]["ratio"] == pytest.approx(0.9) and got["tiny_sdpa"]["met"] is False
+    # a ceiling: this process's layer time over the OPENBLAS_NUM_THREADS=1 run's
+    assert got["openblas"]["ratio"] == pytest.approx(200 / 190) and got["openblas"]["met"]
+    slow = {b["key"]: b for b in inference_only_results(ob1_us=150.0)["bars"]}
+    assert slow["openblas"]["met"] is False
+    # fast enough but different tokens: not met
+    wrong = {b["key"]: b for b in inference_only_results(identical=False)["bars"]}
+    assert wrong["generation"]["ratio"] == pytest.approx(1.6)
+    assert wrong["generation"]["met"] is False
+
+
+def test_layer_bar_needs_torch_in_the_process():
+    r = inference_only_results()
+    r["inference"]["layer_decode"]["main"]["torch_in_process"] = False
+    r["inference"]["tiny_sdpa"].pop("torch_us")
+    del r["module"]["torch"]
+    got = {b["key"]: b for b in _bench.bars(r)}
+    for key in ("layer_decode", "module_prefill", "tiny_sdpa"):
+        assert got[key]["ratio"] is None and got[key]["met"] is None
+
+
+def test_inference_report_tables():
+    text = _bench.format_markdown(inference_only_results(identical=False))
+    lines = text.splitlines()
+    assert "kernel path avx512" in text
+    assert "load average 0.40 at the start, 1.90 at the end" in text
+    assert "load average 0.50 when this section started, 1.25 when it ended" in text
+    assert "SGEMM" not in text and "| T |" not in text  # the attention section did not run
+    layer_rows = [x for x in lines if x.startswith("| this process (torch imported and used) | 200 |")
+                  or x.startswith("| subprocess")]
+    assert "| 200 | 320 | 1.60× | 1.00× |" in layer_rows[0]
+    assert any("OPENBLAS_NUM_THREADS=1 (torch imported and used) | 190 | 330 | 1.74× | 1.05× |"
+               in x for x in layer_rows)
+    assert any("torch never imported | 195 | — | — | 1.03× |" in x for x in layer_rows)
+    assert ("mean of two measurements, before and after the OPENBLAS_NUM_THREADS=1 "
+            "subprocess: manyheads 190 (torch 300), 210 (torch 340) µs") in text
+    gen_main = next(x for x in lines if x.startswith("| this process") and "32.0" in x)
+    assert "| 32.0 | 20.0 | 1.60× | 1.00× | DIFFER from HF's |" in gen_main
+    gen_child = next(x for x in lines if "torch never imported | 40.0" in x)
+    assert "| 40.0 | — | — | 1.25× | identical to this process's |" in gen_child
+    assert "manyheads 7.0 µs, torch 6.3 µs: torch / mh 0.90×" in text
+    bar_rows = lines[lines.index("| bar | measured | |") + 2:]
+    assert any("1.5× torch's layer" in x and "| 1.60× | met |" in x for x in bar_rows)
+    assert any("1.3× Hugging Face" in x and "1.60×, tokens DIFFER | **not met** |" in x
+               for x in bar_rows)
+    assert any("no slower than torch" in x and "| 0.90× | **not met** |" in x for x in bar_rows)
+    for line in lines:  # every table row has as many cells as its header
+        if line.startswith("|"):
+            assert line.count("|") in {4, 6, 7}, line
+
+
+def test_inference_report_without_transformers_or_a_child():
+    r = inference_only_results()
+    inf = r["inference"]
+    inf["generation"] = {"note": "torch and transformers are needed", "no_torch": None}
+    inf["layer_decode"]["openblas1"] = None
+    inf["children"]["openblas1"] = {"error": "ImportError: boom"}
+    r["bars"] = _bench.bars(r)
+    text = _bench.format_markdown(r)
+    assert "Not measured: torch and transformers are needed." in text
+    assert "The openblas1 subprocess failed: ImportError: boom" in text
+    assert "| — | not measured |" in text
+
+
+def test_blocks_measured_apart_are_averaged():
+    a = {"manyheads_us": 100.0, "torch_us": 300.0, "max_abs_diff": {"torch": 1e-7},
+         "notes": {}, "torch_in_process": True}
+    b = {"manyheads_us": 140.0, "torch_us": 200.0, "max_abs_diff": {"torch": 3e-7},
+         "notes": {}, "torch_in_process": True}
+    row = _bench._merge_blocks([a, b])
+    assert row["manyheads_us"] == 120.0 and row["torch_us"] == 250.0
+    assert row["max_abs_diff"]["torch"] == 3e-7 and row["torch_in_process"]
+    assert row["blocks"] == [{"manyheads_us": 100.0, "torch_us": 300.0},
+                             {"manyheads_us": 140.0, "torch_us": 200.0}]
+
+
+def test_markdown_of_a_full_run_keeps_every_section():
+    r = made_up_results()
+    r.update(inference_only_results())
+    text = _bench.format_markdown(r)
+    for part in ("| T |", "| implementation |", "| L |", "| process |", "| bar |"):
+        assert part in text
+
+
+@pytest.fixture(scope="module")
+def tiny_checkpoint(tmp_path_factory):
+    """A small random GPT-2 saved as the inference section saves its model."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(n_layer=2, n_head=4, n_embd=64, vocab_size=97,
+                                  n_positions=64, bos_token_id=0, eos_token_id=0)
+    model = transformers.GPT2LMHeadModel(cfg).eval()
+    folder = tmp_path_factory.mktemp("gpt2")
+    model.save_pretrained(folder)
+    return model, str(folder)
+
+
+def test_the_benchs_gpt2_runner_makes_hugging_faces_tokens(tiny_checkpoint):
+    torch = pytest.importorskip("torch")
+    model, folder = tiny_checkpoint
+    generate, loader = _bench.gpt2_runner(folder)
+    assert loader.startswith("manyheads.models")
+    prompt = [5, 17, 42, 8, 3, 91, 60]
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        ref = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12,
+                             do_sample=False, eos_token_id=None, pad_token_id=0)
+    assert generate(prompt, 12) == [int(t) for t in ref[0, len(prompt):]]
+
+
+def test_the_torch_free_subprocess_loads_the_model_without_torch(tiny_checkpoint):
+    """What the inference section's no-torch subprocess does, minus the timing."""
+    import subprocess
+    import sys
+
+    model, folder = tiny_checkpoint
+    script = (
+        "import sys\n"
+        "sys.modules['torch'] = None\n"
+        "from manyheads import _bench\n"
+        "generate, _ = _bench.gpt2_runner(sys.argv[1])\n"
+        "print(generate([5, 17, 42], 6))\n"
+        "assert not _bench._torch_loaded() and _bench._torch() is None\n"
+    )
+    res = subprocess.run([sys.executable, "-c", script, folder], capture_output=True,
+                         text=True, timeout=300)
+    assert res.returncode == 0, res.stderr
+    generate, _ = _bench.gpt2_runner(folder)
+    assert res.stdout.strip() == str(generate([5, 17, 42], 6))

@@ -3,6 +3,7 @@ and ``generate``.
 
     python -m manyheads            # demo: a 768-wide, 12-head layer on built-in text
     python -m manyheads bench      # compare with PyTorch, ONNX Runtime, OpenVINO, the oracle
+    python -m manyheads bench --section inference   # decode step, GPT-2 generation, bars
     python -m manyheads info       # kernel path, OpenMP, threads
     python -m manyheads show --text "..." --out patterns.png   # every head's pattern
     python -m manyheads show --model DIR --layer 5 --text "..."  # a checkpoint's layer
@@ -364,6 +365,31 @@ Each peer's output is compared with manyheads' on every shape before it is
 timed; one that differs is reported and not timed.  Results (results.md,
 results.json, attention_time.png) go to --out, by default a per-user cache
 folder outside any source tree.
+
+sections (--section, comma-separated; default all):
+  attention    causal SDPA prefill and decode against every peer, threads, memory
+  module       the fused and stacked modules at B=8, T=1024, d=768, 12 heads
+  inference    (brings module along) float32, against PyTorch:
+               - a layer decode step: one fused layer (d=768, 12 heads, qkv bias)
+                 and one new token against a KV cache of 1024 tokens, against
+                 torch's layer written the same way (qkv F.linear, SDPA over a
+                 preallocated KV buffer, output F.linear), same weights;
+               - GPT-2-small-shaped generation (random seeded weights): a
+                 200-token prompt then 32 greedy tokens, manyheads' runner
+                 against Hugging Face generate(do_sample=False) (needs
+                 transformers), tokens/s and whether the tokens are identical;
+               - one tiny SDPA call (12 heads x 1 query x 16 keys);
+               - the layer step and manyheads' generation again in a subprocess
+                 that never imports torch, and the layer step in a subprocess
+                 with OPENBLAS_NUM_THREADS=1 (this process sets no variable);
+               - the issue's bars, each met or not with its measured ratio:
+                 layer step >= 1.5x torch, generation >= 1.3x Hugging Face's
+                 tokens/s with identical tokens, module prefill >= 1.2x torch,
+                 tiny SDPA no slower than torch, layer step within 1.2x of the
+                 OPENBLAS_NUM_THREADS=1 run.
+
+The machine's 1-minute load average is recorded at the start and the end: on
+a busy machine every figure moves, and not evenly.
 """
 
 
@@ -376,6 +402,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
         print(f"unknown peer(s): {', '.join(unknown)}; choose from "
               f"{', '.join(_bench.PEER_NAMES)}", file=sys.stderr)
         return 2
+    try:
+        sections = _bench.parse_sections(args.section)
+    except ValueError as exc:
+        print(str(exc), file=sys.stderr)
+        return 2
     for name, version in _bench.peer_versions(names).items():
         if version is None:
             print("note: torch is not installed, so PyTorch is skipped "
@@ -383,11 +414,13 @@ def cmd_bench(args: argparse.Namespace) -> int:
                   else _peers.missing_note(name))
     out = args.out or _bench.default_out_dir()
     res = _bench.run(quick=args.quick, out_dir=out, repeats=args.repeats,
-                     progress=not args.no_progress, peers=names)
+                     progress=not args.no_progress, peers=names, sections=sections)
     print(res["markdown"])
-    print(f"wrote results.md, results.json"
-          + (", attention_time.png" if res.get("plot") else " (no plot: pip install matplotlib)")
-          + f" to {os.path.abspath(out)}")
+    plot = ""
+    if "attention" in sections:
+        plot = (", attention_time.png" if res.get("plot")
+                else " (no plot: pip install matplotlib)")
+    print(f"wrote results.md, results.json{plot} to {os.path.abspath(out)}")
     return 0
 
 
@@ -408,6 +441,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                         "printed at the end)")
     b.add_argument("--peers", default="torch,onnxruntime,openvino",
                    help="comma-separated peers to include (default: %(default)s)")
+    b.add_argument("--section", default="all",
+                   help="parts to run, comma-separated: attention, module, inference "
+                        "(inference brings module along), or all (default: %(default)s)")
     b.add_argument("--no-progress", action="store_true")
     sh = sub.add_parser("show", help="draw every head's attention pattern for a text")
     sh.add_argument("--text", default="the cat sat on the mat. the cat sat on the mat.")

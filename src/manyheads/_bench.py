@@ -9,6 +9,14 @@ repeated calls); nothing here is an absolute claim.  Each implementation's
 repetitions run back to back, so one thread pool's idle spinning does not
 land in another's timings.  ``python -m manyheads bench`` runs this; the
 ``benchmarks/`` folder of the repository calls it with its own options.
+
+The inference section measures what a generation loop does: a layer's decode
+step against torch's layer written the same way, a GPT-2-small-shaped model's
+greedy generation against Hugging Face's ``generate``, a tiny SDPA call; the
+layer step and manyheads' generation also run in a subprocess that never
+imports torch, and the layer step in one with ``OPENBLAS_NUM_THREADS=1``.
+Each result is checked (outputs, tokens) before or as it is timed, and set
+against the bars of the project's issue 10 (``BARS``).
 """
 from __future__ import annotations
 
@@ -390,6 +398,472 @@ def decode_cases(threads: int, repeats: int, with_torch: bool,
     return rows
 
 
+# ----------------------------------------------------------------------------- inference
+
+#: the layer decode step's shape: d_model, heads, tokens held by the KV cache
+LAYER_SHAPE = {"d": 768, "heads": 12, "cached": 1024}
+#: the GPT-2-small-shaped model and the generation that is timed
+GPT2_SHAPE = {"n_layer": 12, "n_embd": 768, "n_head": 12, "vocab_size": 50257,
+              "n_positions": 1024, "prompt": 200, "new_tokens": 32}
+#: the tiny SDPA call: heads, queries, keys, head size
+TINY_SHAPE = {"heads": 12, "queries": 1, "keys": 16, "D": 64}
+#: the issue's bars: key -> (text, threshold); ratios above the threshold meet the bar
+#: (the OPENBLAS_NUM_THREADS=1 bar is a ceiling: the default run's time over that run's)
+BARS: dict[str, tuple[str, float]] = {
+    "layer_decode": ("layer decode step ≥ 1.5× torch's layer (process that imported and "
+                     "used torch)", 1.5),
+    "generation": ("GPT-2 generation ≥ 1.3× Hugging Face's tokens/s, identical tokens", 1.3),
+    "module_prefill": ("module prefill B=8 T=1024 d=768 12 heads ≥ 1.2× torch's layer", 1.2),
+    "tiny_sdpa": ("SDPA 12 heads × 1 query × 16 keys no slower than torch", 1.0),
+    "openblas": ("layer decode step within 1.2× of the same run with OPENBLAS_NUM_THREADS=1",
+                 1.2),
+}
+
+
+def _torch_loaded() -> bool:
+    """True when this process has imported torch (``sys.modules['torch'] = None`` is not)."""
+    return sys.modules.get("torch") is not None
+
+
+def _adaptive_compare(fns: dict[str, Callable[[], Any]], seconds: float = 1.5,
+                      lo: int = 40, hi: int = 2000) -> dict[str, float]:
+    """compare() with enough calls for about ``seconds`` per contender (the slowest decides)."""
+    est = 1e-6
+    for f in fns.values():
+        t0 = time.perf_counter()
+        f()
+        est = max(est, time.perf_counter() - t0)
+    calls = int(min(hi, max(lo, seconds / est)))
+    rounds = 10
+    return compare(fns, rounds=rounds, per_round=max(1, calls // rounds), warmup=2)
+
+
+def tiny_sdpa_case(threads: int, with_torch: bool) -> dict[str, Any]:
+    """One SDPA call of 12 heads x 1 query x 16 keys (D=64): median microseconds per call.
+
+    torch is called as inference code calls it (no autograd context per call:
+    the tensors need no gradient), so neither side pays for more than the call.
+    """
+    s = TINY_SHAPE
+    rng = np.random.default_rng(16)
+    q = rng.standard_normal((1, s["heads"], s["queries"], s["D"])).astype(np.float32)
+    k, v = (rng.standard_normal((1, s["heads"], s["keys"], s["D"])).astype(np.float32)
+            for _ in range(2))
+    fns: dict[str, Callable[[], Any]] = {
+        "manyheads": lambda: mh.scaled_dot_product_attention(q, k, v, num_threads=threads)}
+    ref = np.asarray(fns["manyheads"](), dtype=np.float64)
+    row: dict[str, Any] = {"max_abs_diff": {}, "notes": {}}
+    torch = _torch() if with_torch else None
+    if torch is not None:
+        torch.set_num_threads(threads)
+        tq, tk, tv = (torch.from_numpy(a) for a in (q, k, v))
+        sdpa = torch.nn.functional.scaled_dot_product_attention
+        fns["torch"] = lambda: sdpa(tq, tk, tv)
+        if not _check("torch", fns["torch"]().numpy(), ref, "float32", row["max_abs_diff"],
+                      row["notes"]):
+            del fns["torch"]
+    res = compare(fns, rounds=20, per_round=200, warmup=50)
+    row.update({f"{name}_us": 1e6 * t for name, t in res.items()})
+    return row
+
+
+def layer_decode_case(threads: int, with_torch: bool) -> dict[str, Any]:
+    """One fused layer's decode step against torch's layer written the same way (µs).
+
+    manyheads: ``MultiHeadAttention(768, 12 heads, qkv_bias=True)`` called on one
+    new token with a KV cache holding 1024 tokens, rolled back to 1024 by
+    ``cache.truncate`` after each call.  torch: a qkv ``F.linear``, the new key
+    and value written into a preallocated buffer of 1024 + 1 positions, SDPA
+    over it, an output ``F.linear``; same weights, same thread count, outputs
+    compared before timing.
+    """
+    d, H, L = LAYER_SHAPE["d"], LAYER_SHAPE["heads"], LAYER_SHAPE["cached"]
+    D = d // H
+    layer = mh.MultiHeadAttention(d, d, L + 1, 0.0, H, qkv_bias=True, seed=0)
+    assert layer.b_qkv is not None  # qkv_bias=True
+    rng = np.random.default_rng(5)
+    prompt = rng.standard_normal((1, L, d)).astype(np.float32)
+    x = rng.standard_normal((1, 1, d)).astype(np.float32)
+    cache = layer.new_cache(1, L + 1)
+    layer(prompt, cache=cache, num_threads=threads)  # the 1024 cached tokens
+
+    def run_manyheads() -> np.ndarray:
+        y: np.ndarray = layer(x, cache=cache, num_threads=threads)
+        cache.truncate(L)
+        return y
+
+    fns: dict[str, Callable[[], Any]] = {"manyheads": run_manyheads}
+    ref = np.asarray(run_manyheads(), dtype=np.float64)
+    row: dict[str, Any] = {"max_abs_diff": {}, "notes": {}}
+    torch = _torch() if with_torch else None
+    if torch is not None:
+        torch.set_num_threads(threads)
+        F = torch.nn.functional
+        w_qkv = torch.from_numpy(np.ascontiguousarray(layer.W_qkv.T))
+        b_qkv = torch.from_numpy(layer.b_qkv.copy())
+        w_out = torch.from_numpy(np.ascontiguousarray(layer.W_out.T))
+        b_out = torch.from_numpy(layer.b_out.copy())
+        keys, values = torch.zeros(1, H, L + 1, D), torch.zeros(1, H, L + 1, D)
+
+        def heads(t: Any, n: int) -> Any:
+            return t.view(1, n, H, D).transpose(1, 2)
+
+        with torch.inference_mode():  # torch's own prefill fills its buffer
+            _, pk, pv = F.linear(torch.from_numpy(prompt), w_qkv, b_qkv).split(d, dim=-1)
+            keys[:, :, :L], values[:, :, :L] = heads(pk, L), heads(pv, L)
+        tx = torch.from_numpy(x)
+
+        def run_torch() -> Any:
+            with torch.inference_mode():
+                q, k, v = F.linear(tx, w_qkv, b_qkv).split(d, dim=-1)
+                keys[:, :, L:] = heads(k, 1)
+                values[:, :, L:] = heads(v, 1)
+                ctx = F.scaled_dot_product_attention(heads(q, 1), keys, values)
+                return F.linear(ctx.transpose(1, 2).reshape(1, 1, d), w_out, b_out)
+
+        if _check("torch", run_torch().numpy(), ref, "float32", row["max_abs_diff"],
+                  row["notes"]):
+            fns["torch"] = run_torch
+    res = _adaptive_compare(fns)
+    row.update({f"{name}_us": 1e6 * t for name, t in res.items()})
+    row["torch_in_process"] = _torch_loaded()
+    return row
+
+
+def _transformers() -> Any:
+    try:
+        import transformers
+    except ImportError:
+        return None
+    return transformers
+
+
+def gpt2_checkpoint(folder: str) -> Any:
+    """A seeded random GPT-2-small-shaped Hugging Face model, saved to ``folder`` (safetensors).
+
+    Returns the model (eval mode).  Needs torch and transformers.
+    """
+    import torch
+
+    transformers = _transformers()
+    s = GPT2_SHAPE
+    cfg = transformers.GPT2Config(n_layer=s["n_layer"], n_embd=s["n_embd"], n_head=s["n_head"],
+                                  vocab_size=s["vocab_size"], n_positions=s["n_positions"])
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(cfg).eval()
+    logging = transformers.utils.logging
+    bar_on = logging.is_progress_bar_enabled()
+    logging.disable_progress_bar()  # no "Writing model shards" bar inside the bench's own
+    try:
+        model.save_pretrained(folder)
+    finally:
+        if bar_on:
+            logging.enable_progress_bar()
+    return model
+
+
+class _TensorLike:
+    """A NumPy array with the three methods ``GPT2``'s weight reader calls on a tensor."""
+
+    def __init__(self, a: np.ndarray) -> None:
+        self.a, self.shape = a, a.shape
+
+    def detach(self) -> "_TensorLike":
+        return self
+
+    def cpu(self) -> "_TensorLike":
+        return self
+
+    def numpy(self) -> np.ndarray:
+        return self.a
+
+
+def _gpt2_from_folder(folder: str) -> Any:
+    """``models.gpt2.GPT2`` built from a saved checkpoint folder without torch.
+
+    The weights are read with safetensors' NumPy API and handed to ``GPT2`` in
+    the attribute layout of a Hugging Face model (used where the models package
+    has no ``from_pretrained`` of its own).
+    """
+    from types import SimpleNamespace as NS
+
+    from safetensors.numpy import load_file
+
+    from manyheads.models.gpt2 import GPT2
+
+    with open(os.path.join(folder, "config.json")) as fh:
+        cfg = json.load(fh)
+    w = load_file(os.path.join(folder, "model.safetensors"))
+    p = "transformer." if "transformer.wte.weight" in w else ""
+
+    def t(name: str) -> _TensorLike:
+        return _TensorLike(w[p + name])
+
+    def lin(name: str) -> NS:
+        return NS(weight=t(name + ".weight"), bias=t(name + ".bias"))
+
+    blocks = []
+    for i in range(int(cfg["n_layer"])):
+        b = f"h.{i}."
+        attn = NS(c_attn=lin(b + "attn.c_attn"), c_proj=lin(b + "attn.c_proj"),
+                  num_heads=int(cfg["n_head"]), head_dim=int(cfg["n_embd"]) // int(cfg["n_head"]),
+                  scale_attn_weights=cfg.get("scale_attn_weights", True),
+                  scale_attn_by_inverse_layer_idx=cfg.get("scale_attn_by_inverse_layer_idx",
+                                                          False), layer_idx=i)
+        blocks.append(NS(ln_1=lin(b + "ln_1"), attn=attn, ln_2=lin(b + "ln_2"),
+                         mlp=NS(c_fc=lin(b + "mlp.c_fc"), c_proj=lin(b + "mlp.c_proj"))))
+    tr = NS(wte=NS(weight=t("wte.weight")), wpe=NS(weight=t("wpe.weight")), h=blocks,
+            ln_f=lin("ln_f"))
+    head = None if "lm_head.weight" not in w else NS(weight=_TensorLike(w["lm_head.weight"]))
+    config = NS(activation_function=cfg.get("activation_function", "gelu_new"),
+                layer_norm_epsilon=cfg.get("layer_norm_epsilon", 1e-5),
+                n_positions=int(cfg["n_positions"]))
+    return GPT2(NS(transformer=tr, lm_head=head, config=config))
+
+
+def gpt2_runner(folder: str) -> tuple[Callable[[list[int], int], list[int]], str]:
+    """manyheads' GPT-2 for a checkpoint folder: (generate(prompt, n) -> tokens, how it loaded).
+
+    ``manyheads.models.from_pretrained`` when the package has it, else
+    ``models.gpt2.GPT2`` fed the folder's weights; torch is not imported either way.
+    """
+    from manyheads import models
+
+    load = getattr(models, "from_pretrained", None)
+    if load is not None:
+        model = load(folder)
+
+        def generate(prompt: list[int], n: int) -> list[int]:
+            return [int(t) for t in np.asarray(model.generate(np.array([prompt]), n))[0]]
+
+        return generate, "manyheads.models.from_pretrained"
+    runner = _gpt2_from_folder(folder)
+
+    def generate_old(prompt: list[int], n: int) -> list[int]:
+        return [int(t) for t in runner.generate(prompt, n)]
+
+    return generate_old, "manyheads.models.gpt2.GPT2"
+
+
+def gpt2_prompt() -> list[int]:
+    """The seeded 200-token prompt."""
+    rng = np.random.default_rng(200)
+    return [int(t) for t in rng.integers(0, GPT2_SHAPE["vocab_size"], GPT2_SHAPE["prompt"])]
+
+
+def generation_case(folder: str, threads: int, rounds: int, hf_model: Any = None
+                    ) -> dict[str, Any]:
+    """Greedy generation of 32 tokens after a 200-token prompt: whole-call seconds (medians).
+
+    manyheads' runner always; Hugging Face ``generate(do_sample=False)`` on torch
+    when ``hf_model`` is given, interleaved with it.  Tokens from both are kept.
+    """
+    n = GPT2_SHAPE["new_tokens"]
+    prompt = gpt2_prompt()
+    generate, loader = gpt2_runner(folder)
+    out: dict[str, Any] = {"loader": loader, "rounds": rounds,
+                           "torch_in_process": _torch_loaded()}
+    tokens: dict[str, list[int]] = {}
+
+    def run_manyheads() -> None:
+        tokens["manyheads"] = generate(prompt, n)
+
+    fns: dict[str, Callable[[], Any]] = {"manyheads": run_manyheads}
+    if hf_model is not None:
+        import torch
+
+        transformers = _transformers()
+        torch.set_num_threads(threads)
+        ids = torch.tensor([prompt])
+        # eos_token_id=None: always n tokens, as manyheads' runner makes them
+        gen_cfg = transformers.GenerationConfig(max_new_tokens=n, do_sample=False,
+                                                eos_token_id=None, pad_token_id=0)
+
+        def run_hf() -> None:
+            with torch.inference_mode():
+                res = hf_model.generate(ids, attention_mask=torch.ones_like(ids),
+                                        generation_config=gen_cfg)
+            tokens["hf"] = [int(t) for t in res[0, len(prompt):]]
+
+        fns["hf"] = run_hf
+    chosen = mh._config._state["num_threads"]
+    mh.set_num_threads(threads)  # the runner's calls use the default thread count
+    try:
+        res = compare(fns, rounds=rounds, per_round=1, warmup=1)
+    finally:
+        mh.set_num_threads(chosen)
+    for name, t in res.items():
+        out[f"{name}_s"] = t
+        out[f"{name}_tokens_per_s"] = n / t
+    out["tokens"] = tokens
+    if "hf" in tokens:
+        out["identical"] = tokens["hf"] == tokens["manyheads"]
+    return out
+
+
+_CHILD_SCRIPT = r"""
+import json, sys
+mode, folder, threads, rounds, path = sys.argv[1:6]
+if mode == "no-torch":
+    sys.modules["torch"] = None  # any import of torch now fails: this process never has it
+from manyheads import _bench
+res = _bench.child_run(mode, folder or None, int(threads), int(rounds))
+with open(path, "w") as fh:
+    json.dump(res, fh)
+"""
+
+#: the subprocesses of the inference section: mode -> extra environment
+CHILD_MODES: dict[str, dict[str, str]] = {"no-torch": {},
+                                          "openblas1": {"OPENBLAS_NUM_THREADS": "1"}}
+
+
+def child_run(mode: str, folder: str | None, threads: int, rounds: int) -> dict[str, Any]:
+    """What one subprocess of the inference section measures (see ``CHILD_MODES``).
+
+    ``no-torch``: manyheads' layer decode step and (with a checkpoint folder)
+    its generation, in a process where torch cannot be imported.
+    ``openblas1``: the layer decode step exactly as the main run measures it
+    (torch too, when installed), under ``OPENBLAS_NUM_THREADS=1``.
+    """
+    with_torch = mode != "no-torch" and _torch() is not None
+    out: dict[str, Any] = {"mode": mode, "env": {k: os.environ.get(k)
+                                                 for k in CHILD_MODES.get(mode, {})},
+                           "layer": layer_decode_case(threads, with_torch)}
+    if mode == "no-torch" and folder:
+        out["generation"] = generation_case(folder, threads, rounds)
+    out["torch_in_process"] = _torch_loaded()
+    out["config"] = mh._config.config()
+    return out
+
+
+def run_child(mode: str, folder: str | None, threads: int, rounds: int,
+              timeout: float = 1800) -> dict[str, Any]:
+    """Run ``child_run`` in a fresh interpreter; its results, or {"error": ...}."""
+    env = dict(os.environ, **CHILD_MODES[mode])
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "child.json")
+        try:
+            res = subprocess.run([sys.executable, "-c", _CHILD_SCRIPT, mode, folder or "",
+                                  str(threads), str(rounds), path],
+                                 capture_output=True, text=True, timeout=timeout, env=env)
+        except subprocess.TimeoutExpired:
+            return {"mode": mode, "error": f"timed out after {timeout:.0f} s"}
+        if res.returncode != 0 or not os.path.exists(path):
+            lines = [x for x in res.stderr.strip().splitlines() if x.strip()]
+            return {"mode": mode, "error": (lines[-1] if lines else
+                                            f"exit code {res.returncode}")[:300]}
+        with open(path) as fh:
+            out: dict[str, Any] = json.load(fh)
+    return out
+
+
+def inference_section(threads: int, with_torch: bool, quick: bool = False,
+                      step: Callable[[str], None] = lambda label: None) -> dict[str, Any]:
+    """The inference benchmarks: tiny SDPA, layer decode step, GPT-2 generation, processes.
+
+    The layer decode step and manyheads' generation also run in a subprocess
+    that never imports torch; the layer decode step once more in a subprocess
+    with ``OPENBLAS_NUM_THREADS=1``, between two measurements of it here (this
+    process's figure is their mean).  This process sets no environment variable.
+    """
+    rounds = 3 if quick else 5
+    res: dict[str, Any] = {"threads": threads, "layer_shape": dict(LAYER_SHAPE),
+                           "gpt2_shape": dict(GPT2_SHAPE), "tiny_shape": dict(TINY_SHAPE),
+                           "generation_rounds": rounds,
+                           "load_average": {"start": _load_average()}}
+    res["tiny_sdpa"] = tiny_sdpa_case(threads, with_torch)
+    step("SDPA 12 heads x 1 query x 16 keys")
+    # this process's layer step is measured before and after the OPENBLAS_NUM_THREADS=1
+    # subprocess, so a change in the machine's load between them shows and averages out
+    first = layer_decode_case(threads, with_torch)
+    ob1 = run_child("openblas1", None, threads, rounds)
+    second = layer_decode_case(threads, with_torch)
+    res["layer_decode"] = {"main": _merge_blocks([first, second]),
+                           "openblas1": ob1.get("layer")}
+    res["children"] = {"openblas1": {k: ob1.get(k) for k in ("error", "torch_in_process",
+                                                              "env")}}
+    step("layer decode step, cache 1024; again under OPENBLAS_NUM_THREADS=1")
+    transformers = _transformers() if with_torch else None
+    with tempfile.TemporaryDirectory() as folder:
+        gen: dict[str, Any] = {}
+        if transformers is None:
+            gen["note"] = ("torch and transformers are needed to make the model and run "
+                           "Hugging Face's generate; not measured")
+            step("GPT-2 generation (skipped)")
+        else:
+            hf_model = gpt2_checkpoint(folder)
+            gen["main"] = generation_case(folder, threads, rounds, hf_model)
+            gen["transformers"] = str(transformers.__version__)
+            del hf_model
+            step("GPT-2 generation, 200 + 32 tokens")
+        child = run_child("no-torch", folder if "main" in gen else None, threads, rounds)
+        step("subprocess without torch")
+    res["layer_decode"]["no_torch"] = child.get("layer")
+    gen["no_torch"] = child.get("generation")
+    res["generation"] = gen
+    res["children"]["no-torch"] = {k: child.get(k) for k in ("error", "torch_in_process")}
+    res["load_average"]["end"] = _load_average()
+    return res
+
+
+def _merge_blocks(blocks: list[dict[str, Any]]) -> dict[str, Any]:
+    """One row from blocks measured apart: each time the mean of the blocks' medians."""
+    out: dict[str, Any] = {"max_abs_diff": {}, "notes": {}, "blocks": []}
+    for b in blocks:
+        out["blocks"].append({k: v for k, v in b.items() if k.endswith("_us")})
+        for n, d in b.get("max_abs_diff", {}).items():
+            out["max_abs_diff"][n] = max(d, out["max_abs_diff"].get(n, 0.0))
+        out["notes"].update(b.get("notes", {}))
+        out["torch_in_process"] = b.get("torch_in_process")
+    for key in out["blocks"][0]:
+        vals = [b[key] for b in out["blocks"] if key in b]
+        if len(vals) == len(blocks):
+            out[key] = float(np.mean(vals))
+    return out
+
+
+def bars(r: dict[str, Any]) -> list[dict[str, Any]]:
+    """Each of the issue's bars with its measured ratio and whether it is met (None: not measured).
+
+    Ratios: torch's (or Hugging Face's) time over manyheads' for the speed bars;
+    the main run's layer time over the ``OPENBLAS_NUM_THREADS=1`` run's for the
+    last, which must stay at or below 1.2.
+    """
+    out: list[dict[str, Any]] = []
+    inf = r.get("inference") or {}
+    layer = inf.get("layer_decode") or {}
+    main = layer.get("main") or {}
+    ratio: float | None = None
+    if main.get("torch_us") and main.get("torch_in_process"):
+        ratio = main["torch_us"] / main["manyheads_us"]
+    out.append({"key": "layer_decode", "ratio": ratio})
+    gen = (inf.get("generation") or {}).get("main") or {}
+    ratio, identical = None, gen.get("identical")
+    if gen.get("hf_s"):
+        ratio = gen["hf_s"] / gen["manyheads_s"]
+    out.append({"key": "generation", "ratio": ratio, "identical": identical})
+    mod = r.get("module") or {}
+    out.append({"key": "module_prefill",
+                "ratio": mod["torch"] / mod["fused"] if "torch" in mod and "fused" in mod
+                else None})
+    tiny = inf.get("tiny_sdpa") or {}
+    out.append({"key": "tiny_sdpa", "ratio": tiny["torch_us"] / tiny["manyheads_us"]
+                if "torch_us" in tiny else None})
+    ob1 = layer.get("openblas1") or {}
+    out.append({"key": "openblas", "ratio": main["manyheads_us"] / ob1["manyheads_us"]
+                if main and ob1 else None})
+    for b in out:
+        text, limit = BARS[b["key"]]
+        b["bar"], b["threshold"] = text, limit
+        if b["ratio"] is None:
+            b["met"] = None
+        elif b["key"] == "openblas":
+            b["met"] = b["ratio"] <= limit
+        else:
+            b["met"] = b["ratio"] >= limit and b.get("identical", True) is not False
+    return out
+
+
 _PEAK_SCRIPT = r"""
 import resource, sys, numpy as np, manyheads as mh
 T, D, H = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
@@ -420,18 +894,45 @@ def peak_extra_memory_mib(T: int, D: int = 64, H: int = 12) -> float | None:
     return int(res.stdout.strip().splitlines()[-1]) / 2**20
 
 
+#: the parts of the benchmark, in run order; ``--section`` picks some
+SECTIONS = ("attention", "module", "inference")
+
+
+def parse_sections(spec: str | Sequence[str] | None) -> tuple[str, ...]:
+    """Sections to run from "all", a comma-separated string or a list (ValueError if unknown).
+
+    ``inference`` brings ``module`` along: one of its bars is the module's prefill.
+    """
+    if spec is None:
+        return SECTIONS
+    items = [x.strip() for x in (spec.split(",") if isinstance(spec, str) else spec)]
+    items = [x for x in items if x]
+    if not items or "all" in items:
+        return SECTIONS
+    unknown = [x for x in items if x not in SECTIONS]
+    if unknown:
+        raise ValueError(f"unknown section(s) {', '.join(unknown)}; expected all or some of "
+                         f"{', '.join(SECTIONS)}")
+    if "inference" in items:
+        items.append("module")
+    return tuple(x for x in SECTIONS if x in items)
+
+
 def run(quick: bool = False, out_dir: str | None = None, repeats: int = 7,
-        progress: bool = True, peers: Sequence[str] | None = None) -> dict[str, Any]:
-    """Run the whole comparison; return (and optionally write) the results.
+        progress: bool = True, peers: Sequence[str] | None = None,
+        sections: str | Sequence[str] | None = None) -> dict[str, Any]:
+    """Run the comparison; return (and optionally write) the results.
 
     ``peers`` names the peers to include (default: every one in ``PEER_NAMES``);
     those that are not installed are left out and recorded as None.
+    ``sections`` picks parts of the run (default: all of ``SECTIONS``).
     """
     names = list(PEER_NAMES if peers is None else peers)
     unknown = [n for n in names if n not in PEER_NAMES]
     if unknown:
         raise ValueError(f"unknown peer(s) {', '.join(unknown)}; "
                          f"expected some of {', '.join(PEER_NAMES)}")
+    parts = parse_sections(sections)
     versions = peer_versions(names)
     others = [n for n in _peers.PEERS if versions.get(n)]
     torch = _torch() if versions.get("torch") else None
@@ -439,7 +940,10 @@ def run(quick: bool = False, out_dir: str | None = None, repeats: int = 7,
     Ts = [128, 512, 1024, 2048] if quick else [128, 512, 1024, 2048, 4096]
     side = [] if quick else [(2048, 32, np.float32), (2048, 128, np.float32),
                              (1024, 64, np.float64), (2048, 64, np.float64)]
-    n_steps = 1 + len(Ts) + len(side) + (0 if quick else 2) + 3
+    n_steps = 0
+    if "attention" in parts:
+        n_steps += 1 + len(Ts) + len(side) + (0 if quick else 2) + 2
+    n_steps += ("module" in parts) + 4 * ("inference" in parts)
     bar = Progress(n_steps, progress)
     results: dict[str, Any] = {
         "config": mh._config.config(),
@@ -447,35 +951,42 @@ def run(quick: bool = False, out_dir: str | None = None, repeats: int = 7,
         "peers": versions,
         "threads": threads,
         "cpu_count": os.cpu_count(),
+        "sections": list(parts),
         "load_average": {"start": _load_average()},
     }
-    results["sgemm_gflops"] = sgemm_gflops()
     results["numpy_blas"] = numpy_blas()
-    time.sleep(0.5)
-    bar.step("SGEMM 2048x2048")
-    rows = []
-    for T in Ts:
-        rows.append(kernel_case(T, 64, np.float32, threads, repeats, torch is not None,
-                                with_oracle=T <= 2048, peers=others))
-        bar.step(f"causal SDPA T={T} D=64 float32")
-    for T, D, dt in side:
-        rows.append(kernel_case(T, D, dt, threads, repeats, torch is not None, with_oracle=False,
-                                peers=others))
-        bar.step(f"causal SDPA T={T} D={D} {np.dtype(dt).name}")
-    results["kernel"] = [asdict(r) for r in rows]
-    if not quick:
-        results["thread_scaling_T2048"] = thread_scaling(2048, threads, repeats)
-        bar.step("1 thread against all, T=2048")
-        results["peak_extra_mib_T16384"] = peak_extra_memory_mib(16384)
-        bar.step("peak memory, T=16384")
-    results["module"] = module_case(threads, max(5, repeats // 2 + 1), torch is not None)
-    bar.step("module B=8 T=1024 d=768 H=12")
-    results["bandwidth_gbs"] = read_bandwidth_gbs(threads)
-    bar.step("memory read rate, 1 GiB")
-    results["decode"] = decode_cases(threads, repeats, torch is not None,
-                                     (1024, 4096) if quick else (1024, 4096, 16384),
-                                     peers=others)
-    bar.step("decode q_len=1")
+    if "attention" in parts:
+        results["sgemm_gflops"] = sgemm_gflops()
+        time.sleep(0.5)
+        bar.step("SGEMM 2048x2048")
+        rows = []
+        for T in Ts:
+            rows.append(kernel_case(T, 64, np.float32, threads, repeats, torch is not None,
+                                    with_oracle=T <= 2048, peers=others))
+            bar.step(f"causal SDPA T={T} D=64 float32")
+        for T, D, dt in side:
+            rows.append(kernel_case(T, D, dt, threads, repeats, torch is not None,
+                                    with_oracle=False, peers=others))
+            bar.step(f"causal SDPA T={T} D={D} {np.dtype(dt).name}")
+        results["kernel"] = [asdict(r) for r in rows]
+        if not quick:
+            results["thread_scaling_T2048"] = thread_scaling(2048, threads, repeats)
+            bar.step("1 thread against all, T=2048")
+            results["peak_extra_mib_T16384"] = peak_extra_memory_mib(16384)
+            bar.step("peak memory, T=16384")
+    if "module" in parts:
+        results["module"] = module_case(threads, max(5, repeats // 2 + 1), torch is not None)
+        bar.step("module B=8 T=1024 d=768 H=12")
+    if "attention" in parts:
+        results["bandwidth_gbs"] = read_bandwidth_gbs(threads)
+        bar.step("memory read rate, 1 GiB")
+        results["decode"] = decode_cases(threads, repeats, torch is not None,
+                                         (1024, 4096) if quick else (1024, 4096, 16384),
+                                         peers=others)
+        bar.step("decode q_len=1")
+    if "inference" in parts:
+        results["inference"] = inference_section(threads, torch is not None, quick, bar.step)
+        results["bars"] = bars(results)
     results["load_average"]["end"] = _load_average()
     text = format_markdown(results)
     if out_dir:
@@ -484,8 +995,9 @@ def run(quick: bool = False, out_dir: str | None = None, repeats: int = 7,
             json.dump(results, fh, indent=2, default=str)
         with open(os.path.join(out_dir, "results.md"), "w") as fh:
             fh.write(text)
-        png = plot_results(results, os.path.join(out_dir, "attention_time.png"))
-        results["plot"] = png
+        if "kernel" in results:
+            png = plot_results(results, os.path.join(out_dir, "attention_time.png"))
+            results["plot"] = png
     results["markdown"] = text
     return results
 
@@ -542,19 +1054,33 @@ def _load_line(r: dict[str, Any]) -> list[str]:
 
 
 def format_markdown(r: dict[str, Any]) -> str:
-    sg = r["sgemm_gflops"]
+    """The report: a header (versions, kernel path, threads, load), then each section run."""
     cfg = r["config"]
     versions = r.get("peers") or {"torch": r["torch"]}
-    peers = _timed_peers(r)
     installed = ", ".join(f"{n} {v}" for n, v in versions.items() if v)
     absent = [n for n, v in versions.items() if not v]
+    head = (f"manyheads {cfg['version']}, kernel path {cfg['kernel_isa']}, {r['threads']} "
+            f"threads; peers on the same thread count: {installed or 'none'}"
+            + (f" ({', '.join(absent)} not installed)" if absent else "") + ".")
+    if "sgemm_gflops" in r:
+        head += (f" SGEMM (NumPy float32 2048²{_blas_text(r)}) {r['sgemm_gflops']:.0f} GFLOP/s "
+                 "at the start (each row's % uses the SGEMM rate measured just before that row).")
+    lines = [head, *_load_line(r)]
+    if "kernel" in r:
+        lines += _attention_lines(r)
+    if "module" in r:
+        lines += _module_lines(r)
+    if "decode" in r:
+        lines += _decode_lines(r)
+    if "inference" in r:
+        lines += _inference_lines(r)
+    return "\n".join(lines) + "\n"
+
+
+def _attention_lines(r: dict[str, Any]) -> list[str]:
+    sg = r["sgemm_gflops"]
+    peers = _timed_peers(r)
     lines = [
-        f"manyheads {cfg['version']}, kernel path {cfg['kernel_isa']}, {r['threads']} threads; "
-        f"peers on the same thread count: {installed or 'none'}"
-        + (f" ({', '.join(absent)} not installed)" if absent else "")
-        + f". SGEMM (NumPy float32 2048²{_blas_text(r)}) {sg:.0f} GFLOP/s at the start "
-        "(each row's % uses the SGEMM rate measured just before that row).",
-        *_load_line(r),
         "Causal attention (prefill), B=1, H=12; medians; X / mh = X's time ÷ manyheads' time "
         "(above 1: manyheads is faster); useful work counted as 2·B·H·T²·D flops.",
         "",
@@ -584,6 +1110,11 @@ def format_markdown(r: dict[str, Any]) -> str:
     if r.get("peak_extra_mib_T16384") is not None:
         lines.append(f"Memory: at T=16384 one call's peak RSS beyond inputs and output is "
                      f"{r['peak_extra_mib_T16384']:.1f} MiB.")
+    return lines
+
+
+def _module_lines(r: dict[str, Any]) -> list[str]:
+    lines: list[str] = []
     m = r["module"]
     lines += [
         "",
@@ -599,32 +1130,169 @@ def format_markdown(r: dict[str, Any]) -> str:
                      "torch": "PyTorch: same projections + SDPA",
                      "oracle": "NumPy oracle (stacked heads)"}[name]
             lines.append(f"| {label} | {m[name]:.1f} | {m[name] / m['fused']:.2f}× |")
-    if "decode" in r:
-        bw = max(r["bandwidth_gbs"].values())
+    return lines
+
+
+def _decode_lines(r: dict[str, Any]) -> list[str]:
+    peers = _timed_peers(r)
+    lines: list[str] = []
+    bw = max(r["bandwidth_gbs"].values())
+    lines += [
+        "",
+        "Decode: one new query against a KV cache of L keys (q_len=1, B=1, H=12, D=64), µs; "
+        f"memory read rate {bw:.1f} GB/s (NumPy, 1 GiB, {r['threads']} threads: "
+        f"max {r['bandwidth_gbs']['max']:.1f}, sum {r['bandwidth_gbs']['sum']:.1f}):",
+        "",
+        "| L | manyheads float32 | manyheads float16 cache | torch SDPA | torch / mh | "
+        + "".join(f"{LABELS[n]} | {SHORT[n]} / mh | " for n in peers)
+        + "float16 vs float32 | float32 cache read rate |",
+        "|---:|---:|---:|---:|---:|" + "---:|---:|" * len(peers) + "---:|---:|",
+    ]
+    for d in r["decode"]:
+        t32, t16, tt = d["float32_us"], d["float16_us"], d.get("torch_us")
+        rate = d["bytes_f32"] / (t32 * 1e-6) / 1e9
+        cells = [str(d["L"]), f"{t32:.0f}", f"{t16:.0f}", _fmt(tt, ".0f"), _ratio(tt, t32)]
+        for n in peers:
+            other = d.get(f"{n}_us")
+            cells += [_fmt(other, ".0f"), _ratio(other, t32)]
+        cells += [f"{t32 / t16:.2f}×", f"{rate:.1f} GB/s ({rate / bw * 100:.0f}%)"]
+        lines.append("| " + " | ".join(cells) + " |")
+    checks = _notes_and_checks(r["decode"], ["torch", *peers])
+    if checks:
+        lines += [""] + checks
+    return lines
+
+
+#: the rows of the inference tables: (key in the results, label)
+PROCESS_ROWS = (("main", "this process"),
+                ("openblas1", "subprocess, OPENBLAS_NUM_THREADS=1"),
+                ("no_torch", "subprocess, torch never imported"))
+
+
+def _process_label(key: str, row: dict[str, Any]) -> str:
+    label = dict(PROCESS_ROWS)[key]
+    if key != "no_torch":
+        label += " (torch imported and used)" if row.get("torch_in_process") else " (no torch)"
+    return label
+
+
+def _inference_lines(r: dict[str, Any]) -> list[str]:
+    inf = r["inference"]
+    errors = {m: c["error"] for m, c in (inf.get("children") or {}).items()
+              if c and c.get("error")}
+    load = inf.get("load_average") or {}
+    when = ""
+    if load.get("start") is not None and load.get("end") is not None:
+        when = (f" 1-minute load average {load['start']:.2f} when this section started, "
+                f"{load['end']:.2f} when it ended.")
+    lines = [
+        "",
+        f"Inference, float32, {inf['threads']} threads on every side, medians.{when} The "
+        "subprocesses are fresh interpreters started by the bench: one with "
+        "`sys.modules[\"torch\"] = None` set before manyheads is imported, so torch cannot "
+        "load; one with OPENBLAS_NUM_THREADS=1 that measures what this process measures. "
+        "The last column compares manyheads' time in this process with its time in that row's "
+        "(above 1: slower here).",
+    ]
+    layer = inf.get("layer_decode") or {}
+    main = layer.get("main") or {}
+    s = inf["layer_shape"]
+    lines += [
+        "",
+        f"Layer decode step: one fused layer (d={s['d']}, {s['heads']} heads, qkv bias), one new "
+        f"token against a KV cache of {s['cached']} tokens (rolled back with "
+        f"`cache.truncate({s['cached']})` after each call), µs per call. torch's layer: a qkv "
+        f"`F.linear`, the new key and value written into a preallocated buffer of "
+        f"{s['cached']} + 1 positions, SDPA over it, an output `F.linear`; same weights.",
+        "",
+        "| process | manyheads µs | torch layer µs | torch / mh | mh here ÷ mh there |",
+        "|:---|---:|---:|---:|---:|",
+    ]
+    for key, _ in PROCESS_ROWS:
+        row = layer.get(key)
+        if not row:
+            continue
+        t, tt = row["manyheads_us"], row.get("torch_us")
+        lines.append(f"| {_process_label(key, row)} | {t:.0f} | {_fmt(tt, '.0f')} | "
+                     f"{_ratio(tt, t)} | {_ratio(main.get('manyheads_us'), t)} |")
+    lines.append("")
+    blocks = main.get("blocks") or []
+    if len(blocks) == 2 and "manyheads_us" in blocks[0]:
+        text = ", ".join(f"{b['manyheads_us']:.0f}" + (f" (torch {b['torch_us']:.0f})"
+                                                         if "torch_us" in b else "")
+                         for b in blocks)
+        lines.append(f"This process's row is the mean of two measurements, before and after "
+                     f"the OPENBLAS_NUM_THREADS=1 subprocess: manyheads {text} µs.")
+    diffs = [row["max_abs_diff"]["torch"] for row in layer.values()
+             if row and "torch" in row.get("max_abs_diff", {})]
+    if diffs:
+        lines.append(f"Checked before timing: largest |torch − manyheads| {max(diffs):.1e}.")
+    for key, row in layer.items():
+        for n, note in (row or {}).get("notes", {}).items():
+            lines.append(f"Not timed: {n} in {dict(PROCESS_ROWS)[key]}: {note}.")
+    gen = inf.get("generation") or {}
+    g = inf["gpt2_shape"]
+    lines += [
+        "",
+        f"GPT-2-small-shaped generation: {g['n_layer']} layers, d={g['n_embd']}, {g['n_head']} "
+        f"heads, vocab {g['vocab_size']}, n_positions {g['n_positions']}, random weights (a "
+        f"seeded `transformers.GPT2Config` model saved as safetensors); a {g['prompt']}-token "
+        f"prompt, then {g['new_tokens']} greedy tokens; tokens/s = {g['new_tokens']} ÷ the "
+        f"whole generate call, median of {inf.get('generation_rounds', '?')} calls after a "
+        "warm-up."
+        + (f" manyheads: `{gen['main']['loader']}`; Hugging Face: transformers "
+           f"{gen.get('transformers')} `generate(do_sample=False)` on torch."
+           if gen.get("main") else ""),
+    ]
+    if gen.get("note"):
+        lines += ["", f"Not measured: {gen['note']}."]
+    else:
+        gmain = gen.get("main") or {}
         lines += [
             "",
-            "Decode: one new query against a KV cache of L keys (q_len=1, B=1, H=12, D=64), µs; "
-            f"memory read rate {bw:.1f} GB/s (NumPy, 1 GiB, {r['threads']} threads: "
-            f"max {r['bandwidth_gbs']['max']:.1f}, sum {r['bandwidth_gbs']['sum']:.1f}):",
-            "",
-            "| L | manyheads float32 | manyheads float16 cache | torch SDPA | torch / mh | "
-            + "".join(f"{LABELS[n]} | {SHORT[n]} / mh | " for n in peers)
-            + "float16 vs float32 | float32 cache read rate |",
-            "|---:|---:|---:|---:|---:|" + "---:|---:|" * len(peers) + "---:|---:|",
+            "| process | manyheads tokens/s | Hugging Face tokens/s | mh / HF | "
+            "mh here ÷ mh there | tokens |",
+            "|:---|---:|---:|---:|---:|:---|",
         ]
-        for d in r["decode"]:
-            t32, t16, tt = d["float32_us"], d["float16_us"], d.get("torch_us")
-            rate = d["bytes_f32"] / (t32 * 1e-6) / 1e9
-            cells = [str(d["L"]), f"{t32:.0f}", f"{t16:.0f}", _fmt(tt, ".0f"), _ratio(tt, t32)]
-            for n in peers:
-                other = d.get(f"{n}_us")
-                cells += [_fmt(other, ".0f"), _ratio(other, t32)]
-            cells += [f"{t32 / t16:.2f}×", f"{rate:.1f} GB/s ({rate / bw * 100:.0f}%)"]
-            lines.append("| " + " | ".join(cells) + " |")
-        checks = _notes_and_checks(r["decode"], ["torch", *peers])
-        if checks:
-            lines += [""] + checks
-    return "\n".join(lines) + "\n"
+        for key, _ in PROCESS_ROWS:
+            row = gen.get(key)
+            if not row:
+                continue
+            tps, hf = row["manyheads_tokens_per_s"], row.get("hf_tokens_per_s")
+            toks = row.get("tokens") or {}
+            if "hf" in toks:
+                same = "identical to HF's" if row.get("identical") else "DIFFER from HF's"
+            elif toks.get("manyheads") and (gmain.get("tokens") or {}).get("manyheads"):
+                same = ("identical to this process's"
+                        if toks["manyheads"] == gmain["tokens"]["manyheads"]
+                        else "DIFFER from this process's")
+            else:
+                same = "—"
+            lines.append(f"| {_process_label(key, row)} | {tps:.1f} | {_fmt(hf, '.1f')} | "
+                         f"{_fmt(hf and tps / hf)}{'×' if hf else ''} | "
+                         f"{_ratio(gmain.get('manyheads_s'), row['manyheads_s'])} | {same} |")
+    tiny = inf.get("tiny_sdpa") or {}
+    t = inf["tiny_shape"]
+    if tiny:
+        tt = tiny.get("torch_us")
+        lines += ["", f"One tiny SDPA call ({t['heads']} heads × {t['queries']} query × "
+                  f"{t['keys']} keys, D={t['D']}, float32, called as inference code calls "
+                  f"it): manyheads {tiny['manyheads_us']:.1f} µs"
+                  + (f", torch {tt:.1f} µs: torch / mh {tt / tiny['manyheads_us']:.2f}×."
+                     if tt else ".")]
+    for mode, err in errors.items():
+        lines.append(f"The {mode} subprocess failed: {err}")
+    if r.get("bars"):
+        lines += ["", "The bars (issue 10, item 6):", "", "| bar | measured | |",
+                  "|:---|---:|:---|"]
+        for b in r["bars"]:
+            met = {True: "met", False: "**not met**", None: "not measured"}[b["met"]]
+            extra = ""
+            if b["key"] == "generation" and b.get("identical") is not None:
+                extra = ", tokens identical" if b["identical"] else ", tokens DIFFER"
+            lines.append(f"| {b['bar']} | {_fmt(b['ratio'])}{'×' if b['ratio'] else ''}"
+                         f"{extra} | {met} |")
+    return lines
 
 
 def plot_results(r: dict[str, Any], path: str) -> str | None:
