@@ -149,6 +149,14 @@ SIGNAL_CHECK_SECONDS = 0.05  # how often a long call looks for Ctrl-C
 cdef double _serial_work = 2097152
 SERIAL_WORK = _serial_work
 
+
+def _set_serial_work(double work):
+    """Experiments only: change the serial-work threshold (returns the old one)."""
+    global _serial_work
+    old = _serial_work
+    _serial_work = work
+    return old
+
 cdef const mh_kernel_table *_table = mh_kernels(0)
 cdef mh_sgemm_fn _sgemm = NULL
 cdef mh_dgemm_fn _dgemm = NULL
