@@ -12,7 +12,6 @@ from __future__ import annotations
 import functools
 import math
 import threading
-from contextlib import nullcontext
 from typing import Any
 
 import numpy as np
@@ -256,10 +255,11 @@ def linear(x: np.ndarray, w: np.ndarray, bias: np.ndarray | None, num_threads: i
     w2 = _rows_ready(w)
     n = w2.shape[1]
     out = np.empty((x2.shape[0], n), dtype=x2.dtype)
-    b = None if bias is None else np.ascontiguousarray(bias)
-    few = x2.shape[0] <= _kernels.FEW_ROWS
-    if few or _blas.available():
-        with nullcontext() if few else _blas.single_threaded():
+    b = bias if bias is None or bias.flags.c_contiguous else np.ascontiguousarray(bias)
+    if x2.shape[0] <= _kernels.FEW_ROWS:  # the kernels' own product, no BLAS
+        _kernels.linear(x2, w2, b, out, int(num_threads), _on_main_thread())
+    elif _blas.available():
+        with _blas.single_threaded():
             _kernels.linear(x2, w2, b, out, int(num_threads), _on_main_thread())
     else:
         np.matmul(x2, w2, out=out)

@@ -146,7 +146,7 @@ LINEAR_COLS = MH_LINEAR_COLS
 SIGNAL_CHECK_SECONDS = 0.05  # how often a long call looks for Ctrl-C
 # Work (multiply-adds) below which a call runs on the calling thread alone: waking
 # the pool costs more than the split saves.
-cdef double _serial_work = 2097152
+cdef double _serial_work = 524288
 SERIAL_WORK = _serial_work
 
 

@@ -38,8 +38,7 @@ from __future__ import annotations
 
 import math
 import threading
-from contextlib import contextmanager
-from typing import Any, Iterator, NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -251,15 +250,9 @@ class KVCache:
         self.__dict__.update(state)
         self._busy = threading.Lock()
 
-    @contextmanager
-    def _holding(self) -> Iterator[None]:
-        if not self._busy.acquire(blocking=False):
-            raise RuntimeError("KVCache is in use by another call: a cache belongs to one "
-                               "decoding stream (give each thread its own cache)")
-        try:
-            yield
-        finally:
-            self._busy.release()
+    def _holding(self) -> _Held:
+        """The cache's lock for one operation (RuntimeError if another holds it)."""
+        return _Held(self)
 
     def attend(self, query: Any, key: Any, value: Any, *, key_padding_mask: Any = None,
                scale: float | None = None, return_weights: bool = False,
@@ -336,6 +329,9 @@ class KVCache:
         """Quantise (B, h, n, D) keys and values into the slots of kv heads ``heads``."""
         for data, scales, x in ((self.keys, self.key_scales, k), (self.values,
                                                                      self.value_scales, v)):
+            if x.dtype == data.dtype:  # float32/float64 caches: no conversion
+                data[:, heads, slots] = x
+                continue
             stored, s = quantize(x, self.format)
             data[:, heads, slots] = stored
             if scales is not None:
@@ -370,21 +366,34 @@ class KVCache:
                 f"cache is full: {self._len} tokens + {new_tokens} new > max_len={self.max_len}"
             )
 
-    @contextmanager
-    def step(self, new_tokens: int, key_padding_mask: np.ndarray | None = None
-             ) -> Iterator[CacheStep]:
+    def step(self, new_tokens: int, key_padding_mask: np.ndarray | None = None) -> CacheStep:
         """Hold the cache for one decoding step that appends ``new_tokens`` tokens.
 
-        Inside, :meth:`~manyheads.cache.CacheStep.attend` appends keys and values (per group of
+        Use it as ``with cache.step(n) as step:``.  Inside,
+        :meth:`~manyheads.cache.CacheStep.attend` appends keys and values (per group of
         kv heads) and attends over everything cached; when the block ends
         without an exception the cache's length advances by ``new_tokens``.
         A second caller while a step is open gets RuntimeError.
         """
-        with self._holding():
-            yield CacheStep(self, new_tokens, key_padding_mask)
-            self._len += new_tokens
-            if key_padding_mask is not None and key_padding_mask.any():
-                self._any_padding = True
+        return CacheStep(self, new_tokens, key_padding_mask)
+
+
+class _Held:
+    """Holds a cache's lock for a ``with`` block (a plain class: a generator-based
+    context manager costs microseconds a decoding step need not pay)."""
+
+    __slots__ = ("cache",)
+
+    def __init__(self, cache: KVCache) -> None:
+        self.cache = cache
+
+    def __enter__(self) -> None:
+        if not self.cache._busy.acquire(blocking=False):
+            raise RuntimeError("KVCache is in use by another call: a cache belongs to one "
+                               "decoding stream (give each thread its own cache)")
+
+    def __exit__(self, *exc: object) -> None:
+        self.cache._busy.release()
 
 
 class CacheStep:
@@ -394,7 +403,22 @@ class CacheStep:
         self.cache = cache
         self.new_tokens = new_tokens
         self.pad_new = pad_new
-        self.start = len(cache)  # absolute position of the first new token
+        self.start = cache._len  # absolute position of the first new token
+
+    def __enter__(self) -> CacheStep:
+        _Held(self.cache).__enter__()
+        self.start = self.cache._len
+        return self
+
+    def __exit__(self, exc_type: object, *exc: object) -> None:
+        c = self.cache
+        try:
+            if exc_type is None:
+                c._len += self.new_tokens
+                if self.pad_new is not None and self.pad_new.any():
+                    c._any_padding = True
+        finally:
+            c._busy.release()
 
     def attend(self, q: np.ndarray, k_new: np.ndarray, v_new: np.ndarray,
                heads: slice = slice(None), *, scale: float, num_threads: int,

@@ -756,7 +756,8 @@ class MultiHeadAttention(_AttentionModule):
         if kv_in is None:
             # one GEMM projects every head: (B, T, d_out + 2 kv_dim)
             qkv = _core.linear(xq, self.W_qkv, self.b_qkv, nt)
-            q_all, k_all, v_all = (qkv[..., self._cols(i)] for i in range(3))
+            kv0, kv1 = self.d_out, self.d_out + self.kv_dim
+            q_all, k_all, v_all = qkv[..., :kv0], qkv[..., kv0:kv1], qkv[..., kv1:]
         else:  # cross-attention: queries from x, keys and values from their own inputs
             q_all, k_all, v_all = (_core.linear(inp, self.W_qkv[:, self._cols(i)],
                                                 None if self.b_qkv is None
