@@ -562,87 +562,19 @@ def gpt2_checkpoint(folder: str) -> Any:
     return model
 
 
-class _TensorLike:
-    """A NumPy array with the three methods ``GPT2``'s weight reader calls on a tensor."""
-
-    def __init__(self, a: np.ndarray) -> None:
-        self.a, self.shape = a, a.shape
-
-    def detach(self) -> "_TensorLike":
-        return self
-
-    def cpu(self) -> "_TensorLike":
-        return self
-
-    def numpy(self) -> np.ndarray:
-        return self.a
-
-
-def _gpt2_from_folder(folder: str) -> Any:
-    """``models.gpt2.GPT2`` built from a saved checkpoint folder without torch.
-
-    The weights are read with safetensors' NumPy API and handed to ``GPT2`` in
-    the attribute layout of a Hugging Face model (used where the models package
-    has no ``from_pretrained`` of its own).
-    """
-    from types import SimpleNamespace as NS
-
-    from safetensors.numpy import load_file
-
-    from manyheads.models.gpt2 import GPT2
-
-    with open(os.path.join(folder, "config.json")) as fh:
-        cfg = json.load(fh)
-    w = load_file(os.path.join(folder, "model.safetensors"))
-    p = "transformer." if "transformer.wte.weight" in w else ""
-
-    def t(name: str) -> _TensorLike:
-        return _TensorLike(w[p + name])
-
-    def lin(name: str) -> NS:
-        return NS(weight=t(name + ".weight"), bias=t(name + ".bias"))
-
-    blocks = []
-    for i in range(int(cfg["n_layer"])):
-        b = f"h.{i}."
-        attn = NS(c_attn=lin(b + "attn.c_attn"), c_proj=lin(b + "attn.c_proj"),
-                  num_heads=int(cfg["n_head"]), head_dim=int(cfg["n_embd"]) // int(cfg["n_head"]),
-                  scale_attn_weights=cfg.get("scale_attn_weights", True),
-                  scale_attn_by_inverse_layer_idx=cfg.get("scale_attn_by_inverse_layer_idx",
-                                                          False), layer_idx=i)
-        blocks.append(NS(ln_1=lin(b + "ln_1"), attn=attn, ln_2=lin(b + "ln_2"),
-                         mlp=NS(c_fc=lin(b + "mlp.c_fc"), c_proj=lin(b + "mlp.c_proj"))))
-    tr = NS(wte=NS(weight=t("wte.weight")), wpe=NS(weight=t("wpe.weight")), h=blocks,
-            ln_f=lin("ln_f"))
-    head = None if "lm_head.weight" not in w else NS(weight=_TensorLike(w["lm_head.weight"]))
-    config = NS(activation_function=cfg.get("activation_function", "gelu_new"),
-                layer_norm_epsilon=cfg.get("layer_norm_epsilon", 1e-5),
-                n_positions=int(cfg["n_positions"]))
-    return GPT2(NS(transformer=tr, lm_head=head, config=config))
-
-
 def gpt2_runner(folder: str) -> tuple[Callable[[list[int], int], list[int]], str]:
     """manyheads' GPT-2 for a checkpoint folder: (generate(prompt, n) -> tokens, how it loaded).
 
-    ``manyheads.models.from_pretrained`` when the package has it, else
-    ``models.gpt2.GPT2`` fed the folder's weights; torch is not imported either way.
+    ``manyheads.models.from_pretrained``; torch is not imported.
     """
     from manyheads import models
 
-    load = getattr(models, "from_pretrained", None)
-    if load is not None:
-        model = load(folder)
+    model = models.from_pretrained(folder)
 
-        def generate(prompt: list[int], n: int) -> list[int]:
-            return [int(t) for t in np.asarray(model.generate(np.array([prompt]), n))[0]]
+    def generate(prompt: list[int], n: int) -> list[int]:
+        return [int(t) for t in np.asarray(model.generate(np.array([prompt]), n))[0]]
 
-        return generate, "manyheads.models.from_pretrained"
-    runner = _gpt2_from_folder(folder)
-
-    def generate_old(prompt: list[int], n: int) -> list[int]:
-        return [int(t) for t in runner.generate(prompt, n)]
-
-    return generate_old, "manyheads.models.gpt2.GPT2"
+    return generate, "manyheads.models.from_pretrained"
 
 
 def gpt2_prompt() -> list[int]:
