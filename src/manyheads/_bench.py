@@ -23,7 +23,6 @@ from __future__ import annotations
 import functools
 import json
 import os
-import resource
 import subprocess
 import sys
 import tempfile

@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 
 from . import _config, _core
-from ._validate import (ATTENTION_DTYPES_TEXT, FLOAT_DTYPES, FLOAT_DTYPES_TEXT,
+from ._validate import (ATTENTION_DTYPES_TEXT, FLOAT_DTYPES,
                         as_attention_array, as_float_array, check_bool,
                         check_dropout, check_optional_real, seed_value)
 
