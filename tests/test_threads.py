@@ -87,3 +87,13 @@ def test_concurrent_calls_leave_every_blas_thread_count_as_they_found_it(rng):
         t.join()
     after = {d["filepath"]: d["num_threads"] for d in threadpoolctl.threadpool_info()}
     assert {k: after[k] for k in before} == before
+
+
+def test_a_call_that_waited_long_for_absent_threads_counts_as_contended():
+    # the calling thread worked 0.1 ms, then waited 3 ms for the other threads
+    assert _kernels.waited_for_absent_threads(0.0, 0.0001, 0.0031)
+    # imbalance: it worked 2 ms and waited 1.5 ms for a last long item
+    assert not _kernels.waited_for_absent_threads(0.0, 0.002, 0.0035)
+    # short waits are the other threads waking up, not contention
+    assert not _kernels.waited_for_absent_threads(0.0, 0.00001, 0.0003)
+

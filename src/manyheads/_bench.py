@@ -397,6 +397,119 @@ def decode_cases(threads: int, repeats: int, with_torch: bool,
     return rows
 
 
+#: cache formats of the low-precision decode table, in column order
+CACHE_FORMATS = ("float32", "float16", "bfloat16", "int8", "int4")
+
+
+def _cache_dtype(fmt: str) -> Any:
+    """new_cache()'s dtype argument for format name ``fmt`` (None: ml_dtypes is missing)."""
+    if fmt in ("int8", "int4"):
+        return fmt
+    if fmt == "bfloat16":
+        try:
+            import ml_dtypes
+        except ImportError:
+            return None
+        return ml_dtypes.bfloat16
+    return np.dtype(fmt)
+
+
+def cache_format_cases(threads: int, with_torch: bool, lengths: tuple[int, ...] = (1024, 16384)
+                       ) -> list[dict[str, Any]]:
+    """One fused layer's decode step (d_in=64, 12 heads of 64) with a cache of L tokens
+    in every format, and torch's SDPA over float32 K/V of the same L (µs).
+
+    Each cache is filled once (its L keys and values appended in one step, quantised
+    as they are stored); each timed call appends one token and is rolled back with
+    ``cache.truncate(L)``.
+    """
+    H, D, d_in = 12, 64, 64
+    rows = []
+    for L in lengths:
+        layer = mh.MultiHeadAttention(d_in, H * D, L + 1, 0.0, H, seed=1)
+        rng = np.random.default_rng(L + 1)
+        k, v = (rng.standard_normal((1, H, L, D)).astype(np.float32) for _ in range(2))
+        q1 = rng.standard_normal((1, H, 1, D)).astype(np.float32)
+        x = rng.standard_normal((1, 1, d_in)).astype(np.float32)
+        fns: dict[str, Callable[[], Any]] = {}
+        per_token: dict[str, float] = {}
+        skipped: list[str] = []
+        for fmt in CACHE_FORMATS:
+            dt = _cache_dtype(fmt)
+            if dt is None:
+                skipped.append(fmt)
+                continue
+            cache = layer.new_cache(1, L + 1, dtype=dt)
+            with cache.step(L) as st:  # the L tokens, stored in the cache's format
+                st.attend(q1, k, v, scale=0.125, num_threads=threads)
+            per_token[fmt] = cache.nbytes / cache.max_len
+
+            def step(cache: Any = cache) -> Any:
+                y = layer(x, cache=cache, num_threads=threads)
+                cache.truncate(L)
+                return y
+
+            fns[fmt] = step
+        torch = _torch() if with_torch else None
+        if torch is not None:
+            torch.set_num_threads(threads)
+            tq, tk, tv = (torch.from_numpy(a) for a in (q1, k, v))
+
+            def run_torch() -> Any:
+                with torch.inference_mode():
+                    return torch.nn.functional.scaled_dot_product_attention(tq, tk, tv)
+
+            fns["torch_sdpa_f32"] = run_torch
+        res = compare(fns, rounds=7, per_round=max(2, 40960 // L))
+        row: dict[str, Any] = {"L": L, "bytes_per_token": per_token, "skipped": skipped}
+        row.update({f"{n}_us": 1e6 * t for n, t in res.items()})
+        rows.append(row)
+    return rows
+
+
+def gqa_case(threads: int, L: int = 16384, Hq: int = 32, Hkv: int = 8) -> dict[str, Any]:
+    """Decode of Hq query heads on Hkv kv heads (each kv head read once for its group)
+    against the same attention with the kv heads repeated to Hq (µs)."""
+    rng = np.random.default_rng(3)
+    q = rng.standard_normal((1, Hq, 1, 64)).astype(np.float32)
+    k, v = (rng.standard_normal((1, Hkv, L, 64)).astype(np.float32) for _ in range(2))
+    kr, vr = np.repeat(k, Hq // Hkv, axis=1), np.repeat(v, Hq // Hkv, axis=1)
+    sdpa = mh.scaled_dot_product_attention
+    fns: dict[str, Callable[[], Any]] = {
+        "grouped": lambda: sdpa(q, k, v, enable_gqa=True, num_threads=threads),
+        "repeated": lambda: sdpa(q, kr, vr, num_threads=threads)}
+    diff = float(np.max(np.abs(fns["grouped"]() - fns["repeated"]())))
+    res = compare(fns, rounds=7, per_round=max(2, 40960 // L))
+    return {"L": L, "heads": Hq, "kv_heads": Hkv, "max_abs_diff": diff,
+            **{f"{n}_us": 1e6 * t for n, t in res.items()}}
+
+
+def half_prefill_case(threads: int, T: int = 2048) -> dict[str, Any]:
+    """Causal prefill (B=1, 12 heads of 64) with float32, float16 and bfloat16 inputs (ms)."""
+    rng = np.random.default_rng(T)
+    q, k, v = (rng.standard_normal((1, 12, T, 64)).astype(np.float32) for _ in range(3))
+    sdpa = mh.scaled_dot_product_attention
+    fns: dict[str, Callable[[], Any]] = {}
+    for fmt in ("float32", "float16", "bfloat16"):
+        dt = _cache_dtype(fmt)
+        if dt is None:
+            continue
+        fns[fmt] = functools.partial(sdpa, *(x.astype(dt) for x in (q, k, v)), is_causal=True,
+                                     num_threads=threads)
+    res = compare(fns, rounds=5, per_round=2)
+    return {"T": T, **{f"{n}_ms": 1e3 * t for n, t in res.items()},
+            "avx512_bf16": _cpu_flag("avx512_bf16")}
+
+
+def _cpu_flag(flag: str) -> bool | None:
+    """Whether /proc/cpuinfo lists ``flag`` (None where there is no /proc/cpuinfo)."""
+    try:
+        with open("/proc/cpuinfo") as fh:
+            return any(line.startswith("flags") and flag in line.split() for line in fh)
+    except OSError:
+        return None
+
+
 # ----------------------------------------------------------------------------- inference
 
 #: the layer decode step's shape: d_model, heads, tokens held by the KV cache
@@ -873,7 +986,7 @@ def run(quick: bool = False, out_dir: str | None = None, repeats: int = 7,
                              (1024, 64, np.float64), (2048, 64, np.float64)]
     n_steps = 0
     if "attention" in parts:
-        n_steps += 1 + len(Ts) + len(side) + (0 if quick else 2) + 2
+        n_steps += 1 + len(Ts) + len(side) + (0 if quick else 2) + 3
     n_steps += ("module" in parts) + 4 * ("inference" in parts)
     bar = Progress(n_steps, progress)
     results: dict[str, Any] = {
@@ -915,6 +1028,11 @@ def run(quick: bool = False, out_dir: str | None = None, repeats: int = 7,
                                          (1024, 4096) if quick else (1024, 4096, 16384),
                                          peers=others)
         bar.step("decode q_len=1")
+        results["cache_formats"] = cache_format_cases(threads, torch is not None,
+                                                      (1024,) if quick else (1024, 16384))
+        results["gqa"] = gqa_case(threads, 4096 if quick else 16384)
+        results["half_prefill"] = half_prefill_case(threads, 512 if quick else 2048)
+        bar.step("cache formats, GQA, half-precision prefill")
     if "inference" in parts:
         results["inference"] = inference_section(threads, torch is not None, quick, bar.step)
         results["bars"] = bars(results)
@@ -1003,6 +1121,8 @@ def format_markdown(r: dict[str, Any]) -> str:
         lines += _module_lines(r)
     if "decode" in r:
         lines += _decode_lines(r)
+    if "cache_formats" in r:
+        lines += _low_precision_lines(r)
     if "inference" in r:
         lines += _inference_lines(r)
     return "\n".join(lines) + "\n"
@@ -1091,6 +1211,51 @@ def _decode_lines(r: dict[str, Any]) -> list[str]:
     checks = _notes_and_checks(r["decode"], ["torch", *peers])
     if checks:
         lines += [""] + checks
+    return lines
+
+
+def _low_precision_lines(r: dict[str, Any]) -> list[str]:
+    bw = max(r["bandwidth_gbs"].values())
+    rows = r["cache_formats"]
+    fmts = [f for f in CACHE_FORMATS if f"{f}_us" in rows[0]]
+    lines = [
+        "",
+        "Decode through a KV cache in each format: one fused layer (d_in=64, 12 heads of 64) "
+        "and one new token against L cached tokens, µs per step (projections included); "
+        "bytes per token are the cache's own (keys, values and scales); the read rate is "
+        "the cache's bytes over the step's time, against the memory read rate above. "
+        "torch SDPA reads float32 K/V of the same L (attention only).",
+        "",
+        "| L | cache | bytes/token | × float32 bytes | µs | float16 / this | "
+        "torch SDPA f32 / this | read rate |",
+        "|---:|:---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for row in rows:
+        bpt, tt = row["bytes_per_token"], row.get("torch_sdpa_f32_us")
+        for f in fmts:
+            t = row[f"{f}_us"]
+            rate = bpt[f] * row["L"] / (t * 1e-6) / 1e9
+            lines.append("| " + " | ".join([
+                str(row["L"]), f, f"{bpt[f]:.0f}", f"{bpt[f] / bpt['float32']:.3f}",
+                f"{t:.0f}", _ratio(row.get("float16_us"), t), _ratio(tt, t),
+                f"{rate:.1f} GB/s ({rate / bw * 100:.0f}%)"]) + " |")
+    if rows[0]["skipped"]:
+        lines += ["", f"Not run: {', '.join(rows[0]['skipped'])} (ml_dtypes is not installed)."]
+    g = r["gqa"]
+    lines += ["", f"Grouped-query decode, {g['heads']} query heads on {g['kv_heads']} kv heads, "
+              f"L={g['L']}, float32: {g['grouped_us']:.0f} µs; the same with the kv heads "
+              f"repeated to {g['heads']} (4× the bytes): {g['repeated_us']:.0f} µs; "
+              f"{g['repeated_us'] / g['grouped_us']:.2f}× (largest difference "
+              f"{g['max_abs_diff']:.1e})."]
+    h = r["half_prefill"]
+    halves = [f for f in ("float16", "bfloat16") if f"{f}_ms" in h]
+    lines += ["", f"Half-precision prefill (causal, T={h['T']}, 12 heads of 64): float32 "
+              f"{h['float32_ms']:.2f} ms; " + "; ".join(
+                  f"{f} {h[f + '_ms']:.2f} ms ({h['float32_ms'] / h[f + '_ms']:.2f}× float32)"
+                  for f in halves) + " (widened to float32 as loaded; "
+              + {True: "this CPU has AVX512-BF16; the kernels do not use it yet",
+                 False: "this CPU has no AVX512-BF16",
+                 None: "AVX512-BF16 unknown"}[h.get("avx512_bf16")] + ")."]
     return lines
 
 

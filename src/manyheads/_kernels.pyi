@@ -13,6 +13,9 @@ BLOCK_Q: int
 BLOCK_K: int
 FEW_ROWS: int
 LINEAR_COLS: int
+SERIAL_WORK: float
+SERIAL_WORK_CONTENDED: float
+CONTENDED_SECONDS: float
 SIGNAL_CHECK_SECONDS: float
 
 def isa_names() -> tuple[str, ...]:
@@ -44,6 +47,14 @@ def set_blas(sgemm: int, dgemm: int) -> None:
     """Use these Fortran-style sgemm/dgemm (e.g. SciPy's cython_blas) for projection tiles."""
 
 def has_blas() -> bool: ...
+def waited_for_absent_threads(start: float, worked: float, end: float) -> bool:
+    """Whether a split call's calling thread, busy from ``start`` to ``worked``, then
+    waited until ``end`` for threads that had no core."""
+
+def contended() -> bool:
+    """True while small calls run serially because the last split call found no free core."""
+
+def _set_serial_work(work: float) -> float: ...
 def threads_for_call(requested: int, active_calls: int) -> int:
     """Threads one of ``active_calls`` simultaneous calls gets from a budget of ``requested``."""
 

@@ -287,9 +287,11 @@ cdef int _run_items(const Job *job, item_fn fn, int64_t n_items, int nt,
     for a pending signal (Ctrl-C) every SIGNAL_CHECK_SECONDS between its items;
     if the handler raises, every thread skips its remaining items and the
     exception propagates.  The call counts as in flight meanwhile."""
-    global _active_calls
+    global _active_calls, _contended_until
     cdef int stop = 0
     cdef int *stop_flag = &stop
+    cdef double t_start = 0, t_worked = 0
+    cdef double *worked_ptr = &t_worked
     cdef double period = SIGNAL_CHECK_SECONDS
     cdef double next_check = mh_seconds() + period
     cdef double *next_ptr = &next_check
@@ -308,20 +310,51 @@ cdef int _run_items(const Job *job, item_fn fn, int64_t n_items, int nt,
                         if stop:
                             break
         else:
+            t_start = mh_seconds()
+            t_worked = t_start
             with nogil, parallel(num_threads=nt):
                 for it in prange(n_items, schedule="dynamic", chunksize=1):
                     if not mh_flag_get(stop_flag):
                         fn(job, it, job.scratch + threadid() * job.stride)
+                        if threadid() == 0:
+                            worked_ptr[0] = mh_seconds()
                         if check_signals and threadid() == 0 and mh_seconds() >= next_ptr[0]:
                             next_ptr[0] = mh_seconds() + period
                             with gil:
                                 if PyErr_CheckSignals() != 0:
                                     mh_flag_set(stop_flag)
+            if waited_for_absent_threads(t_start, t_worked, mh_seconds()):
+                _contended_until = mh_seconds() + _contended_seconds
     finally:
         _active_calls -= 1
     if stop:
         return -1  # the signal handler's exception is set
     return 0
+
+
+# When a split call finds its other threads absent (the calling thread did its
+# items, then waited at the end for threads that had no core), calls of up to
+# _serial_work_contended multiply-adds run on the calling thread alone for the next
+# CONTENDED_SECONDS: waiting for a descheduled thread costs more than such a call.
+# Results do not depend on the thread count, so this changes only the time.
+cdef double _serial_work_contended = 8388608
+SERIAL_WORK_CONTENDED = _serial_work_contended
+cdef double _contended_until = 0
+cdef double _contended_seconds = 0.25
+CONTENDED_SECONDS = _contended_seconds
+
+
+cpdef bint waited_for_absent_threads(double start, double worked, double end) noexcept:
+    """The calling thread ran items from ``start`` to ``worked`` and the call ended at
+    ``end``.  Waiting for the others longer than twice its own work (and 0.5 ms) is no
+    imbalance (their last items are no longer than its own): they had no core."""
+    cdef double wait = end - worked, own = worked - start
+    return wait > 0.0005 and wait > 2 * own
+
+
+def contended():
+    """True while small calls run serially because the last split call found no free core."""
+    return mh_seconds() < _contended_until
 
 
 # Kernel calls in flight from all Python threads: together they use about the
@@ -340,7 +373,8 @@ cdef inline int _clamp_threads(int nt, int64_t n_items, double work=1e300):
     nt = threads_for_call(nt, _active_calls + 1)
     if nt > n_items:
         nt = <int>n_items
-    if work < _serial_work:
+    if work < _serial_work or (work < _serial_work_contended and nt > 1
+                               and mh_seconds() < _contended_until):
         nt = 1
     return nt if nt > 1 else 1
 
