@@ -494,8 +494,8 @@ def half_prefill_case(threads: int, T: int = 2048) -> dict[str, Any]:
         dt = _cache_dtype(fmt)
         if dt is None:
             continue
-        fns[fmt] = functools.partial(sdpa, *(x.astype(dt) for x in (q, k, v)), is_causal=True,
-                                     num_threads=threads)
+        fns[fmt] = functools.partial(sdpa, q.astype(dt), k.astype(dt), v.astype(dt),
+                                     is_causal=True, num_threads=threads)
     res = compare(fns, rounds=5, per_round=2)
     return {"T": T, **{f"{n}_ms": 1e3 * t for n, t in res.items()},
             "avx512_bf16": _cpu_flag("avx512_bf16")}
