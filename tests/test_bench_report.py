@@ -128,6 +128,29 @@ def test_report_has_time_and_ratio_columns_for_every_peer():
                                        4}
 
 
+def test_low_precision_table_has_a_row_per_cache_format_with_bytes_and_ratios():
+    r = made_up_results()
+    bpt = {"float32": 6144.0, "float16": 3072.0, "bfloat16": 3072.0, "int8": 1632.0,
+           "int4": 960.0}
+    row = {"L": 1000, "bytes_per_token": bpt, "skipped": [], "torch_sdpa_f32_us": 600.0,
+           "float32_us": 400.0, "float16_us": 300.0, "bfloat16_us": 300.0, "int8_us": 200.0,
+           "int4_us": 150.0}
+    r["cache_formats"] = [row]
+    r["gqa"] = {"L": 16384, "heads": 32, "kv_heads": 8, "max_abs_diff": 0.0,
+                "grouped_us": 1000.0, "repeated_us": 3500.0}
+    r["half_prefill"] = {"T": 2048, "float32_ms": 20.0, "float16_ms": 25.0,
+                         "bfloat16_ms": 10.0, "avx512_bf16": False}
+    lines = _bench.format_markdown(r).splitlines()
+    int8 = next(x for x in lines if x.startswith("| 1000 | int8 |"))
+    # 1632 bytes/token = 0.266 of float32; 300/200 = 1.50x float16, 600/200 = 3.00x torch;
+    # 1632 B * 1000 tokens / 200 us = 8.2 GB/s, 41% of the made-up 20 GB/s
+    assert int8 == "| 1000 | int8 | 1632 | 0.266 | 200 | 1.50× | 3.00× | 8.2 GB/s (41%) |"
+    assert sum(x.startswith("| 1000 |") for x in lines) == 5
+    text = "\n".join(lines)
+    assert "32 query heads on 8 kv heads" in text and "3.50×" in text
+    assert "bfloat16 10.00 ms (2.00× float32)" in text and "no AVX512-BF16" in text
+
+
 def test_report_leaves_out_peers_that_are_not_installed():
     r = made_up_results()
     r["peers"] = {"torch": "2.13.0+cpu", "onnxruntime": None, "openvino": None}
