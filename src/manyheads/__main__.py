@@ -367,7 +367,11 @@ results.json, attention_time.png) go to --out, by default a per-user cache
 folder outside any source tree.
 
 sections (--section, comma-separated; default all):
-  attention    causal SDPA prefill and decode against every peer, threads, memory
+  attention    causal SDPA prefill and decode against every peer, threads, memory;
+               a layer's decode step through float32, float16, bfloat16, int8 and
+               int4 caches (bytes per token, read rate); grouped-query decode (32
+               query heads on 8 kv heads) against the kv heads repeated; float16
+               and bfloat16 prefill against float32
   module       the fused and stacked modules at B=8, T=1024, d=768, 12 heads
   inference    (brings module along) float32, against PyTorch:
                - a layer decode step: one fused layer (d=768, 12 heads, qkv bias)
