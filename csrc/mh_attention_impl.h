@@ -17,6 +17,7 @@
  *                optional vector selects for hidden entries (see MH_IS_HIDDEN)
  *   V_NEG_INF_TO_ZERO(v)  lanes equal to -inf become 0
  *   V_HSUM(v)    sum of the lanes
+ *   V_HSUM4(a, b, c, d, out)  optional: out[0..4) = the lane sums of a, b, c, d
  *   V_LOAD_HALF(p)  optional: VW float16 values widened to V (float paths)
  *   V_LOAD_BF16(p)  optional: VW bfloat16 values widened to V (float paths)
  *   V_LOAD_I8(p)    optional: VW int8 values converted to V (float paths)
@@ -185,6 +186,16 @@ static inline float mh_row_scale(int fmt, const char *scale, int64_t scale_bytes
 #define MH_HALF_TO_FLOAT(h) S_HALF_TO_FLOAT(h)
 #else
 #define MH_HALF_TO_FLOAT(h) mh_half_to_float(h)
+#endif
+
+/* V_HSUM4(a, b, c, d, out): out[0..4) = the lane sums of a, b, c and d (an
+   ISA may define it with fewer instructions than four V_HSUMs) */
+#ifndef V_HSUM4
+#define V_HSUM4(a, b, c, d, out)                                              \
+    do {                                                                       \
+        T *o4_ = (out);                                                        \
+        o4_[0] = V_HSUM(a); o4_[1] = V_HSUM(b); o4_[2] = V_HSUM(c); o4_[3] = V_HSUM(d); \
+    } while (0)
 #endif
 
 #ifdef V_EXP2
@@ -836,46 +847,81 @@ static FN(kv_rows) FN(kv_in_place)(const mh_attn_args *a, const mh_operand *src,
 }
 
 
-/* s[i][j] = qp_i . k_j for nq rows and nk keys of nvk vectors each, keys read
-   in place in format `fmt` (rows of 4 query rows x 4 key vectors at a time, so
-   each key vector is widened once per 4 rows). */
-MH_INLINE void FN(few_rows_dots)(const T *qp, int64_t ep, int64_t nq, FN(kv_rows) k,
-                                 int64_t nk, int64_t nvk, T *s, const int fmt)
+/* s[r][j] = qp_r . k_j for R (<= 4, a constant) rows from qp and nk keys of
+   nvk vectors each, keys read in place in format `fmt`.  One or two rows take
+   4 keys at a time, each key vector widened once for the rows, and reduce the
+   4 keys' accumulators of a row together (V_HSUM4) into 4 adjacent scores;
+   3 or 4 rows take one key at a time and reduce their rows together. */
+MH_INLINE void FN(few_rows_dots_r)(const T *qp, int64_t ep, FN(kv_rows) k, int64_t nk,
+                                   int64_t nvk, T *s, const int R, const int fmt)
 {
-    float pairs[2 * MH_I4_MAX_GROUPS];
-    for (int64_t j = 0; j < nk; ++j) {
+    float pairs[4][2 * MH_I4_MAX_GROUPS];
+    const int64_t groups = nvk * VW / MH_I4_GROUP;
+    int64_t j = 0;
+    if (R <= 2) {
+        for (; j + 4 <= nk; j += 4) {
+            const char *k0 = k.base + j * k.row_bytes, *k1 = k0 + k.row_bytes;
+            const char *k2 = k1 + k.row_bytes, *k3 = k2 + k.row_bytes;
+            if (fmt == MH_KV_I4)
+                for (int u = 0; u < 4; ++u)
+                    FN(i4_pairs)((const uint16_t *)(k.scale + (j + u) * k.scale_bytes), groups,
+                                 pairs[u]);
+            V a0[2], a1[2], a2[2], a3[2];
+            for (int r = 0; r < R; ++r) a0[r] = a1[r] = a2[r] = a3[r] = V_ZERO();
+            for (int64_t c = 0; c < nvk; ++c) {
+                V qv[2];
+                for (int r = 0; r < R; ++r) qv[r] = V_LOAD(qp + r * ep + c * VW);
+                const V x0 = FN(kv_vec)(k0, c * VW, fmt, pairs[0]);
+                for (int r = 0; r < R; ++r) a0[r] = V_FMA(qv[r], x0, a0[r]);
+                const V x1 = FN(kv_vec)(k1, c * VW, fmt, pairs[1]);
+                for (int r = 0; r < R; ++r) a1[r] = V_FMA(qv[r], x1, a1[r]);
+                const V x2 = FN(kv_vec)(k2, c * VW, fmt, pairs[2]);
+                for (int r = 0; r < R; ++r) a2[r] = V_FMA(qv[r], x2, a2[r]);
+                const V x3 = FN(kv_vec)(k3, c * VW, fmt, pairs[3]);
+                for (int r = 0; r < R; ++r) a3[r] = V_FMA(qv[r], x3, a3[r]);
+            }
+            for (int r = 0; r < R; ++r) V_HSUM4(a0[r], a1[r], a2[r], a3[r], s + r * BK + j);
+            if (fmt == MH_KV_I8)
+                for (int u = 0; u < 4; ++u) {
+                    const T ks = (T)mh_row_scale(fmt, k.scale, k.scale_bytes, j + u);
+                    for (int r = 0; r < R; ++r) s[r * BK + j + u] *= ks;
+                }
+        }
+    }
+    for (; j < nk; ++j) {
         const char *kr = k.base + j * k.row_bytes;
         const T ks = (T)mh_row_scale(fmt, k.scale, k.scale_bytes, j);
         if (fmt == MH_KV_I4)
-            FN(i4_pairs)((const uint16_t *)(k.scale + j * k.scale_bytes),
-                            nvk * VW / MH_I4_GROUP, pairs);
-        for (int64_t r0 = 0; r0 < nq; r0 += 4) {
-            const int R = nq - r0 < 4 ? (int)(nq - r0) : 4;
-            const T *q0 = qp + r0 * ep;
-            V acc[4] = {V_ZERO(), V_ZERO(), V_ZERO(), V_ZERO()};
-            int64_t c = 0;
-            /* four key vectors at a time, named (not an array the compiler could
-               turn into a memcpy of the key row) */
-            for (; c + 4 <= nvk; c += 4) {
-                const V k0 = FN(kv_vec)(kr, c * VW, fmt, pairs);
-                const V k1 = FN(kv_vec)(kr, (c + 1) * VW, fmt, pairs);
-                const V k2 = FN(kv_vec)(kr, (c + 2) * VW, fmt, pairs);
-                const V k3 = FN(kv_vec)(kr, (c + 3) * VW, fmt, pairs);
-                for (int r = 0; r < R; ++r) {
-                    const T *q = q0 + r * ep + c * VW;
-                    acc[r] = V_FMA(V_LOAD(q), k0, acc[r]);
-                    acc[r] = V_FMA(V_LOAD(q + VW), k1, acc[r]);
-                    acc[r] = V_FMA(V_LOAD(q + 2 * VW), k2, acc[r]);
-                    acc[r] = V_FMA(V_LOAD(q + 3 * VW), k3, acc[r]);
-                }
-            }
-            for (; c < nvk; ++c) {
-                const V kc = FN(kv_vec)(kr, c * VW, fmt, pairs);
-                for (int r = 0; r < R; ++r)
-                    acc[r] = V_FMA(V_LOAD(q0 + r * ep + c * VW), kc, acc[r]);
-            }
-            for (int r = 0; r < R; ++r) s[(r0 + r) * BK + j] = V_HSUM(acc[r]) * ks;
+            FN(i4_pairs)((const uint16_t *)(k.scale + j * k.scale_bytes), groups, pairs[0]);
+        V acc[4];
+        for (int r = 0; r < R; ++r) acc[r] = V_ZERO();
+        for (int64_t c = 0; c < nvk; ++c) {
+            const V kc = FN(kv_vec)(kr, c * VW, fmt, pairs[0]);
+            for (int r = 0; r < R; ++r) acc[r] = V_FMA(V_LOAD(qp + r * ep + c * VW), kc, acc[r]);
         }
+        if (R >= 3) {
+            T sums[4];
+            V_HSUM4(acc[0], acc[1], acc[2], R == 4 ? acc[3] : V_ZERO(), sums);
+            for (int r = 0; r < R; ++r) s[r * BK + j] = sums[r] * ks;
+        } else {
+            for (int r = 0; r < R; ++r) s[r * BK + j] = V_HSUM(acc[r]) * ks;
+        }
+    }
+}
+
+/* s[i][j] = qp_i . k_j for nq rows and nk keys of nvk vectors each, keys read
+   in place in format `fmt`: 4 rows at a time, then the 1 to 3 left. */
+MH_INLINE void FN(few_rows_dots)(const T *qp, int64_t ep, int64_t nq, FN(kv_rows) k,
+                                 int64_t nk, int64_t nvk, T *s, const int fmt)
+{
+    int64_t r0 = 0;
+    for (; r0 + 4 <= nq; r0 += 4)
+        FN(few_rows_dots_r)(qp + r0 * ep, ep, k, nk, nvk, s + r0 * BK, 4, fmt);
+    switch (nq - r0) {
+    case 1: FN(few_rows_dots_r)(qp + r0 * ep, ep, k, nk, nvk, s + r0 * BK, 1, fmt); break;
+    case 2: FN(few_rows_dots_r)(qp + r0 * ep, ep, k, nk, nvk, s + r0 * BK, 2, fmt); break;
+    case 3: FN(few_rows_dots_r)(qp + r0 * ep, ep, k, nk, nvk, s + r0 * BK, 3, fmt); break;
+    default: break;
     }
 }
 
