@@ -1103,21 +1103,32 @@ static void FN(few_rows_mix)(const mh_attn_args *a, int64_t pair, int64_t nq, in
 static void FN(attend_few_rows)(const mh_attn_args *a, int64_t pair, int64_t q0, int64_t nq,
                                 int64_t k_lo, int64_t k_hi, FN(work) *w)
 {
-    const int64_t E = a->head_dim, ep = w->ep, evp = w->evp, L = nq / mh_group(a);
+    const int64_t E = a->head_dim, Ev = a->v_dim, ep = w->ep, evp = w->evp, L = nq / mh_group(a);
     const T scale = (T)mh_score_scale(a);
 
+    /* (local pointers: the compiler cannot know that these stores leave *w alone) */
+    T *qt = w->qt, *acc = w->acc;
+    const V vscale = V_SET1(scale);
     for (int64_t i = 0; i < nq; ++i) {
         const T *q = (const T *)a->q.base + mh_row_offset(a, &a->q, pair, q0, i, L);
-        for (int64_t d = 0; d < E; ++d) w->qt[i * ep + d] = q[d] * scale;
-        for (int64_t d = E; d < ep; ++d) w->qt[i * ep + d] = 0;
+        T *qi = qt + i * ep;
+        int64_t d = 0;
+        for (; d + VW <= E; d += VW) V_STORE(qi + d, V_MUL(V_LOAD(q + d), vscale));
+        for (; d < E; ++d) qi[d] = q[d] * scale;
+        for (; d < ep; ++d) qi[d] = 0;
         w->row_max[i] = (T)(-INFINITY);
         w->row_sum[i] = 0;
     }
-    for (int64_t i = 0; i < nq * evp; ++i) w->acc[i] = 0;
-    if (!w->k_in_place)
-        for (int64_t i = 0; i < BK * ep; ++i) w->kpack[i] = 0;
-    if (!w->v_in_place)
-        for (int64_t i = 0; i < BK * evp; ++i) w->vpack[i] = 0;
+    for (int64_t i = 0; i < nq * evp; i += VW) V_STORE(acc + i, V_ZERO());
+    /* copied key / value rows: load_rows writes columns [0, E) and [0, Ev) of
+       the rows it copies and the dots and the mix read only those rows, so
+       only the padding columns up to ep / evp must be (finite) zeros */
+    if (!w->k_in_place && ep > E)
+        for (int64_t j = 0; j < BK; ++j)
+            for (int64_t d = E; d < ep; ++d) w->kpack[j * ep + d] = 0;
+    if (!w->v_in_place && evp > Ev)
+        for (int64_t j = 0; j < BK; ++j)
+            for (int64_t d = Ev; d < evp; ++d) w->vpack[j * evp + d] = 0;
 
     int64_t k_begin, k_end;
     mh_key_range(a, q0, L, k_lo, k_hi, &k_begin, &k_end);
