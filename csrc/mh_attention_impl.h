@@ -868,18 +868,26 @@ MH_INLINE void FN(few_rows_dots_r)(const T *qp, int64_t ep, FN(kv_rows) k, int64
                                  pairs[u]);
             V a0[2], a1[2], a2[2], a3[2];
             for (int r = 0; r < R; ++r) a0[r] = a1[r] = a2[r] = a3[r] = V_ZERO();
-            for (int64_t c = 0; c < nvk; ++c) {
-                V qv[2];
-                for (int r = 0; r < R; ++r) qv[r] = V_LOAD(qp + r * ep + c * VW);
-                const V x0 = FN(kv_vec)(k0, c * VW, fmt, pairs[0]);
-                for (int r = 0; r < R; ++r) a0[r] = V_FMA(qv[r], x0, a0[r]);
-                const V x1 = FN(kv_vec)(k1, c * VW, fmt, pairs[1]);
-                for (int r = 0; r < R; ++r) a1[r] = V_FMA(qv[r], x1, a1[r]);
-                const V x2 = FN(kv_vec)(k2, c * VW, fmt, pairs[2]);
-                for (int r = 0; r < R; ++r) a2[r] = V_FMA(qv[r], x2, a2[r]);
-                const V x3 = FN(kv_vec)(k3, c * VW, fmt, pairs[3]);
-                for (int r = 0; r < R; ++r) a3[r] = V_FMA(qv[r], x3, a3[r]);
+#define MH_DOTS4_STEP(c)                                                        \
+            do {                                                                \
+                V qv[2];                                                        \
+                for (int r = 0; r < R; ++r) qv[r] = V_LOAD(qp + r * ep + (c) * VW); \
+                const V x0 = FN(kv_vec)(k0, (c) * VW, fmt, pairs[0]);          \
+                for (int r = 0; r < R; ++r) a0[r] = V_FMA(qv[r], x0, a0[r]);    \
+                const V x1 = FN(kv_vec)(k1, (c) * VW, fmt, pairs[1]);          \
+                for (int r = 0; r < R; ++r) a1[r] = V_FMA(qv[r], x1, a1[r]);    \
+                const V x2 = FN(kv_vec)(k2, (c) * VW, fmt, pairs[2]);          \
+                for (int r = 0; r < R; ++r) a2[r] = V_FMA(qv[r], x2, a2[r]);    \
+                const V x3 = FN(kv_vec)(k3, (c) * VW, fmt, pairs[3]);          \
+                for (int r = 0; r < R; ++r) a3[r] = V_FMA(qv[r], x3, a3[r]);    \
+            } while (0)
+            int64_t c = 0;
+            for (; c + 2 <= nvk; c += 2) { /* two vectors a step: half the loop overhead */
+                MH_DOTS4_STEP(c);
+                MH_DOTS4_STEP(c + 1);
             }
+            if (c < nvk) MH_DOTS4_STEP(c);
+#undef MH_DOTS4_STEP
             for (int r = 0; r < R; ++r) V_HSUM4(a0[r], a1[r], a2[r], a3[r], s + r * BK + j);
             if (fmt == MH_KV_I8)
                 for (int u = 0; u < 4; ++u) {
