@@ -1007,59 +1007,59 @@ static void FN(few_rows_softmax)(FN(work) *w, int64_t nq, int64_t nk, int mark)
     }
 }
 
+/* Columns [c * VW, (c + NC) * VW) of acc[r] = alpha[r]*acc[r] + sum_j p[r][j] * v[j]
+   for R (<= MH_FEW_ROWS) rows whose probabilities are stored per row
+   (p[r * BK + j]); values read in place in format `fmt` (an int8 row's scale
+   folded into its probabilities), each value vector widened once for the R
+   rows; `select` skips hidden entries.  R * NC accumulators. */
+MH_INLINE void FN(few_rows_output_cols)(T *acc, int64_t evp, const T *alpha, const T *p,
+                                        int64_t nk, FN(kv_rows) v, int64_t nvv, int64_t c,
+                                        const int NC, const int R, const int fmt,
+                                        const int select)
+{
+    float pairs[2 * MH_I4_MAX_GROUPS];
+    V o[MH_FEW_ROWS][4 * NVO];
+    for (int r = 0; r < R; ++r) {
+        const V a = V_SET1(alpha[r]);
+        for (int u = 0; u < NC; ++u) o[r][u] = V_MUL(V_LOAD(acc + r * evp + (c + u) * VW), a);
+    }
+    for (int64_t j = 0; j < nk; ++j) {
+        const char *vr = v.base + j * v.row_bytes;
+        const T vs = (T)mh_row_scale(fmt, v.scale, v.scale_bytes, j);
+        if (fmt == MH_KV_I4) /* the groups of this chunk's columns */
+            FN(i4_pairs)((const uint16_t *)(v.scale + j * v.scale_bytes), nvv * VW / MH_I4_GROUP,
+                         pairs);
+        V vv[4 * NVO];
+        for (int u = 0; u < NC; ++u) vv[u] = FN(kv_vec)(vr, (c + u) * VW, fmt, pairs);
+        for (int r = 0; r < R; ++r) {
+            const T ps = p[r * BK + j];
+            const V pj = V_SET1(fmt == MH_KV_I8 ? ps * vs : ps);
+            for (int u = 0; u < NC; ++u)
+                o[r][u] = select ? FN(fma_visible)(ps, pj, vv[u], o[r][u])
+                                 : V_FMA(pj, vv[u], o[r][u]);
+        }
+    }
+    for (int r = 0; r < R; ++r)
+        for (int u = 0; u < NC; ++u) V_STORE(acc + r * evp + (c + u) * VW, o[r][u]);
+}
+
 /* acc[r] = alpha[r]*acc[r] + sum_j p[r][j] * v[j] for R (<= MH_FEW_ROWS) rows
-   whose probabilities are stored per row (p[r * BK + j]); values read in place
-   in format `fmt` (an int8 row's scale folded into its probabilities), each
-   value vector widened once for the R rows; `select` skips hidden entries. */
+   (few_rows_output_cols): the value columns in chunks as wide as the registers
+   allow, NVO vectors for 3 or 4 rows, 2 * NVO for 2 and 4 * NVO for 1, so that
+   fewer rows read every value row fewer times; then NVO and single vectors. */
 MH_INLINE void FN(few_rows_output)(T *acc, int64_t evp, const T *alpha, const T *p, int64_t nk,
                                    FN(kv_rows) v, int64_t nvv, const int R, const int fmt,
                                    const int select)
 {
-    float pairs[2 * MH_I4_MAX_GROUPS];
+    const int NC = R == 1 ? 4 * NVO : R == 2 ? 2 * NVO : NVO;
     int64_t c = 0;
-    for (; c + NVO <= nvv; c += NVO) {
-        V o[MH_FEW_ROWS][NVO];
-        for (int r = 0; r < R; ++r) {
-            const V a = V_SET1(alpha[r]);
-            for (int u = 0; u < NVO; ++u) o[r][u] = V_MUL(V_LOAD(acc + r * evp + (c + u) * VW), a);
-        }
-        for (int64_t j = 0; j < nk; ++j) {
-            const char *vr = v.base + j * v.row_bytes;
-            const T vs = (T)mh_row_scale(fmt, v.scale, v.scale_bytes, j);
-            if (fmt == MH_KV_I4) /* the groups of this chunk's columns */
-                FN(i4_pairs)((const uint16_t *)(v.scale + j * v.scale_bytes), nvv * VW / MH_I4_GROUP,
-                                pairs);
-            V vv[NVO];
-            for (int u = 0; u < NVO; ++u) vv[u] = FN(kv_vec)(vr, (c + u) * VW, fmt, pairs);
-            for (int r = 0; r < R; ++r) {
-                const T ps = p[r * BK + j];
-                const V pj = V_SET1(fmt == MH_KV_I8 ? ps * vs : ps);
-                for (int u = 0; u < NVO; ++u)
-                    o[r][u] = select ? FN(fma_visible)(ps, pj, vv[u], o[r][u])
-                                     : V_FMA(pj, vv[u], o[r][u]);
-            }
-        }
-        for (int r = 0; r < R; ++r)
-            for (int u = 0; u < NVO; ++u) V_STORE(acc + r * evp + (c + u) * VW, o[r][u]);
-    }
-    for (; c < nvv; ++c) {
-        V o[MH_FEW_ROWS];
-        for (int r = 0; r < R; ++r) o[r] = V_MUL(V_LOAD(acc + r * evp + c * VW), V_SET1(alpha[r]));
-        for (int64_t j = 0; j < nk; ++j) {
-            const char *vr = v.base + j * v.row_bytes;
-            const T vs = (T)mh_row_scale(fmt, v.scale, v.scale_bytes, j);
-            if (fmt == MH_KV_I4)
-                FN(i4_pairs)((const uint16_t *)(v.scale + j * v.scale_bytes), nvv * VW / MH_I4_GROUP,
-                                pairs);
-            const V vv = FN(kv_vec)(vr, c * VW, fmt, pairs);
-            for (int r = 0; r < R; ++r) {
-                const T ps = p[r * BK + j];
-                const V pj = V_SET1(fmt == MH_KV_I8 ? ps * vs : ps);
-                o[r] = select ? FN(fma_visible)(ps, pj, vv, o[r]) : V_FMA(pj, vv, o[r]);
-            }
-        }
-        for (int r = 0; r < R; ++r) V_STORE(acc + r * evp + c * VW, o[r]);
-    }
+    for (; c + NC <= nvv; c += NC)
+        FN(few_rows_output_cols)(acc, evp, alpha, p, nk, v, nvv, c, NC, R, fmt, select);
+    if (NC > NVO)
+        for (; c + NVO <= nvv; c += NVO)
+            FN(few_rows_output_cols)(acc, evp, alpha, p, nk, v, nvv, c, NVO, R, fmt, select);
+    for (; c < nvv; ++c)
+        FN(few_rows_output_cols)(acc, evp, alpha, p, nk, v, nvv, c, 1, R, fmt, select);
 }
 
 /* Step 3: acc = alpha * acc + P V for the block's values (in place, or copied
