@@ -17,6 +17,7 @@
  *                optional vector selects for hidden entries (see MH_IS_HIDDEN)
  *   V_NEG_INF_TO_ZERO(v)  lanes equal to -inf become 0
  *   V_HSUM(v)    sum of the lanes
+ *   V_HSUM4(a, b, c, d, out)  optional: out[0..4) = the lane sums of a, b, c, d
  *   V_LOAD_HALF(p)  optional: VW float16 values widened to V (float paths)
  *   V_LOAD_BF16(p)  optional: VW bfloat16 values widened to V (float paths)
  *   V_LOAD_I8(p)    optional: VW int8 values converted to V (float paths)
@@ -185,6 +186,16 @@ static inline float mh_row_scale(int fmt, const char *scale, int64_t scale_bytes
 #define MH_HALF_TO_FLOAT(h) S_HALF_TO_FLOAT(h)
 #else
 #define MH_HALF_TO_FLOAT(h) mh_half_to_float(h)
+#endif
+
+/* V_HSUM4(a, b, c, d, out): out[0..4) = the lane sums of a, b, c and d (an
+   ISA may define it with fewer instructions than four V_HSUMs) */
+#ifndef V_HSUM4
+#define V_HSUM4(a, b, c, d, out)                                              \
+    do {                                                                       \
+        T *o4_ = (out);                                                        \
+        o4_[0] = V_HSUM(a); o4_[1] = V_HSUM(b); o4_[2] = V_HSUM(c); o4_[3] = V_HSUM(d); \
+    } while (0)
 #endif
 
 #ifdef V_EXP2
@@ -836,46 +847,89 @@ static FN(kv_rows) FN(kv_in_place)(const mh_attn_args *a, const mh_operand *src,
 }
 
 
-/* s[i][j] = qp_i . k_j for nq rows and nk keys of nvk vectors each, keys read
-   in place in format `fmt` (rows of 4 query rows x 4 key vectors at a time, so
-   each key vector is widened once per 4 rows). */
-MH_INLINE void FN(few_rows_dots)(const T *qp, int64_t ep, int64_t nq, FN(kv_rows) k,
-                                 int64_t nk, int64_t nvk, T *s, const int fmt)
+/* s[r][j] = qp_r . k_j for R (<= 4, a constant) rows from qp and nk keys of
+   nvk vectors each, keys read in place in format `fmt`.  One or two rows take
+   4 keys at a time, each key vector widened once for the rows, and reduce the
+   4 keys' accumulators of a row together (V_HSUM4) into 4 adjacent scores;
+   3 or 4 rows take one key at a time and reduce their rows together. */
+MH_INLINE void FN(few_rows_dots_r)(const T *qp, int64_t ep, FN(kv_rows) k, int64_t nk,
+                                   int64_t nvk, T *s, const int R, const int fmt)
 {
-    float pairs[2 * MH_I4_MAX_GROUPS];
-    for (int64_t j = 0; j < nk; ++j) {
+    float pairs[4][2 * MH_I4_MAX_GROUPS];
+    const int64_t groups = nvk * VW / MH_I4_GROUP;
+    int64_t j = 0;
+    if (R <= 2) {
+        for (; j + 4 <= nk; j += 4) {
+            const char *k0 = k.base + j * k.row_bytes, *k1 = k0 + k.row_bytes;
+            const char *k2 = k1 + k.row_bytes, *k3 = k2 + k.row_bytes;
+            if (fmt == MH_KV_I4)
+                for (int u = 0; u < 4; ++u)
+                    FN(i4_pairs)((const uint16_t *)(k.scale + (j + u) * k.scale_bytes), groups,
+                                 pairs[u]);
+            V a0[2], a1[2], a2[2], a3[2];
+            for (int r = 0; r < R; ++r) a0[r] = a1[r] = a2[r] = a3[r] = V_ZERO();
+#define MH_DOTS4_STEP(c)                                                        \
+            do {                                                                \
+                V qv[2];                                                        \
+                for (int r = 0; r < R; ++r) qv[r] = V_LOAD(qp + r * ep + (c) * VW); \
+                const V x0 = FN(kv_vec)(k0, (c) * VW, fmt, pairs[0]);          \
+                for (int r = 0; r < R; ++r) a0[r] = V_FMA(qv[r], x0, a0[r]);    \
+                const V x1 = FN(kv_vec)(k1, (c) * VW, fmt, pairs[1]);          \
+                for (int r = 0; r < R; ++r) a1[r] = V_FMA(qv[r], x1, a1[r]);    \
+                const V x2 = FN(kv_vec)(k2, (c) * VW, fmt, pairs[2]);          \
+                for (int r = 0; r < R; ++r) a2[r] = V_FMA(qv[r], x2, a2[r]);    \
+                const V x3 = FN(kv_vec)(k3, (c) * VW, fmt, pairs[3]);          \
+                for (int r = 0; r < R; ++r) a3[r] = V_FMA(qv[r], x3, a3[r]);    \
+            } while (0)
+            int64_t c = 0;
+            for (; c + 2 <= nvk; c += 2) { /* two vectors a step: half the loop overhead */
+                MH_DOTS4_STEP(c);
+                MH_DOTS4_STEP(c + 1);
+            }
+            if (c < nvk) MH_DOTS4_STEP(c);
+#undef MH_DOTS4_STEP
+            for (int r = 0; r < R; ++r) V_HSUM4(a0[r], a1[r], a2[r], a3[r], s + r * BK + j);
+            if (fmt == MH_KV_I8)
+                for (int u = 0; u < 4; ++u) {
+                    const T ks = (T)mh_row_scale(fmt, k.scale, k.scale_bytes, j + u);
+                    for (int r = 0; r < R; ++r) s[r * BK + j + u] *= ks;
+                }
+        }
+    }
+    for (; j < nk; ++j) {
         const char *kr = k.base + j * k.row_bytes;
         const T ks = (T)mh_row_scale(fmt, k.scale, k.scale_bytes, j);
         if (fmt == MH_KV_I4)
-            FN(i4_pairs)((const uint16_t *)(k.scale + j * k.scale_bytes),
-                            nvk * VW / MH_I4_GROUP, pairs);
-        for (int64_t r0 = 0; r0 < nq; r0 += 4) {
-            const int R = nq - r0 < 4 ? (int)(nq - r0) : 4;
-            const T *q0 = qp + r0 * ep;
-            V acc[4] = {V_ZERO(), V_ZERO(), V_ZERO(), V_ZERO()};
-            int64_t c = 0;
-            /* four key vectors at a time, named (not an array the compiler could
-               turn into a memcpy of the key row) */
-            for (; c + 4 <= nvk; c += 4) {
-                const V k0 = FN(kv_vec)(kr, c * VW, fmt, pairs);
-                const V k1 = FN(kv_vec)(kr, (c + 1) * VW, fmt, pairs);
-                const V k2 = FN(kv_vec)(kr, (c + 2) * VW, fmt, pairs);
-                const V k3 = FN(kv_vec)(kr, (c + 3) * VW, fmt, pairs);
-                for (int r = 0; r < R; ++r) {
-                    const T *q = q0 + r * ep + c * VW;
-                    acc[r] = V_FMA(V_LOAD(q), k0, acc[r]);
-                    acc[r] = V_FMA(V_LOAD(q + VW), k1, acc[r]);
-                    acc[r] = V_FMA(V_LOAD(q + 2 * VW), k2, acc[r]);
-                    acc[r] = V_FMA(V_LOAD(q + 3 * VW), k3, acc[r]);
-                }
-            }
-            for (; c < nvk; ++c) {
-                const V kc = FN(kv_vec)(kr, c * VW, fmt, pairs);
-                for (int r = 0; r < R; ++r)
-                    acc[r] = V_FMA(V_LOAD(q0 + r * ep + c * VW), kc, acc[r]);
-            }
-            for (int r = 0; r < R; ++r) s[(r0 + r) * BK + j] = V_HSUM(acc[r]) * ks;
+            FN(i4_pairs)((const uint16_t *)(k.scale + j * k.scale_bytes), groups, pairs[0]);
+        V acc[4];
+        for (int r = 0; r < R; ++r) acc[r] = V_ZERO();
+        for (int64_t c = 0; c < nvk; ++c) {
+            const V kc = FN(kv_vec)(kr, c * VW, fmt, pairs[0]);
+            for (int r = 0; r < R; ++r) acc[r] = V_FMA(V_LOAD(qp + r * ep + c * VW), kc, acc[r]);
         }
+        if (R >= 3) {
+            T sums[4];
+            V_HSUM4(acc[0], acc[1], acc[2], R == 4 ? acc[3] : V_ZERO(), sums);
+            for (int r = 0; r < R; ++r) s[r * BK + j] = sums[r] * ks;
+        } else {
+            for (int r = 0; r < R; ++r) s[r * BK + j] = V_HSUM(acc[r]) * ks;
+        }
+    }
+}
+
+/* s[i][j] = qp_i . k_j for nq rows and nk keys of nvk vectors each, keys read
+   in place in format `fmt`: 4 rows at a time, then the 1 to 3 left. */
+MH_INLINE void FN(few_rows_dots)(const T *qp, int64_t ep, int64_t nq, FN(kv_rows) k,
+                                 int64_t nk, int64_t nvk, T *s, const int fmt)
+{
+    int64_t r0 = 0;
+    for (; r0 + 4 <= nq; r0 += 4)
+        FN(few_rows_dots_r)(qp + r0 * ep, ep, k, nk, nvk, s + r0 * BK, 4, fmt);
+    switch (nq - r0) {
+    case 1: FN(few_rows_dots_r)(qp + r0 * ep, ep, k, nk, nvk, s + r0 * BK, 1, fmt); break;
+    case 2: FN(few_rows_dots_r)(qp + r0 * ep, ep, k, nk, nvk, s + r0 * BK, 2, fmt); break;
+    case 3: FN(few_rows_dots_r)(qp + r0 * ep, ep, k, nk, nvk, s + r0 * BK, 3, fmt); break;
+    default: break;
     }
 }
 
@@ -953,59 +1007,59 @@ static void FN(few_rows_softmax)(FN(work) *w, int64_t nq, int64_t nk, int mark)
     }
 }
 
+/* Columns [c * VW, (c + NC) * VW) of acc[r] = alpha[r]*acc[r] + sum_j p[r][j] * v[j]
+   for R (<= MH_FEW_ROWS) rows whose probabilities are stored per row
+   (p[r * BK + j]); values read in place in format `fmt` (an int8 row's scale
+   folded into its probabilities), each value vector widened once for the R
+   rows; `select` skips hidden entries.  R * NC accumulators. */
+MH_INLINE void FN(few_rows_output_cols)(T *acc, int64_t evp, const T *alpha, const T *p,
+                                        int64_t nk, FN(kv_rows) v, int64_t nvv, int64_t c,
+                                        const int NC, const int R, const int fmt,
+                                        const int select)
+{
+    float pairs[2 * MH_I4_MAX_GROUPS];
+    V o[MH_FEW_ROWS][4 * NVO];
+    for (int r = 0; r < R; ++r) {
+        const V a = V_SET1(alpha[r]);
+        for (int u = 0; u < NC; ++u) o[r][u] = V_MUL(V_LOAD(acc + r * evp + (c + u) * VW), a);
+    }
+    for (int64_t j = 0; j < nk; ++j) {
+        const char *vr = v.base + j * v.row_bytes;
+        const T vs = (T)mh_row_scale(fmt, v.scale, v.scale_bytes, j);
+        if (fmt == MH_KV_I4) /* the groups of this chunk's columns */
+            FN(i4_pairs)((const uint16_t *)(v.scale + j * v.scale_bytes), nvv * VW / MH_I4_GROUP,
+                         pairs);
+        V vv[4 * NVO];
+        for (int u = 0; u < NC; ++u) vv[u] = FN(kv_vec)(vr, (c + u) * VW, fmt, pairs);
+        for (int r = 0; r < R; ++r) {
+            const T ps = p[r * BK + j];
+            const V pj = V_SET1(fmt == MH_KV_I8 ? ps * vs : ps);
+            for (int u = 0; u < NC; ++u)
+                o[r][u] = select ? FN(fma_visible)(ps, pj, vv[u], o[r][u])
+                                 : V_FMA(pj, vv[u], o[r][u]);
+        }
+    }
+    for (int r = 0; r < R; ++r)
+        for (int u = 0; u < NC; ++u) V_STORE(acc + r * evp + (c + u) * VW, o[r][u]);
+}
+
 /* acc[r] = alpha[r]*acc[r] + sum_j p[r][j] * v[j] for R (<= MH_FEW_ROWS) rows
-   whose probabilities are stored per row (p[r * BK + j]); values read in place
-   in format `fmt` (an int8 row's scale folded into its probabilities), each
-   value vector widened once for the R rows; `select` skips hidden entries. */
+   (few_rows_output_cols): the value columns in chunks as wide as the registers
+   allow, NVO vectors for 3 or 4 rows, 2 * NVO for 2 and 4 * NVO for 1, so that
+   fewer rows read every value row fewer times; then NVO and single vectors. */
 MH_INLINE void FN(few_rows_output)(T *acc, int64_t evp, const T *alpha, const T *p, int64_t nk,
                                    FN(kv_rows) v, int64_t nvv, const int R, const int fmt,
                                    const int select)
 {
-    float pairs[2 * MH_I4_MAX_GROUPS];
+    const int NC = R == 1 ? 4 * NVO : R == 2 ? 2 * NVO : NVO;
     int64_t c = 0;
-    for (; c + NVO <= nvv; c += NVO) {
-        V o[MH_FEW_ROWS][NVO];
-        for (int r = 0; r < R; ++r) {
-            const V a = V_SET1(alpha[r]);
-            for (int u = 0; u < NVO; ++u) o[r][u] = V_MUL(V_LOAD(acc + r * evp + (c + u) * VW), a);
-        }
-        for (int64_t j = 0; j < nk; ++j) {
-            const char *vr = v.base + j * v.row_bytes;
-            const T vs = (T)mh_row_scale(fmt, v.scale, v.scale_bytes, j);
-            if (fmt == MH_KV_I4) /* the groups of this chunk's columns */
-                FN(i4_pairs)((const uint16_t *)(v.scale + j * v.scale_bytes), nvv * VW / MH_I4_GROUP,
-                                pairs);
-            V vv[NVO];
-            for (int u = 0; u < NVO; ++u) vv[u] = FN(kv_vec)(vr, (c + u) * VW, fmt, pairs);
-            for (int r = 0; r < R; ++r) {
-                const T ps = p[r * BK + j];
-                const V pj = V_SET1(fmt == MH_KV_I8 ? ps * vs : ps);
-                for (int u = 0; u < NVO; ++u)
-                    o[r][u] = select ? FN(fma_visible)(ps, pj, vv[u], o[r][u])
-                                     : V_FMA(pj, vv[u], o[r][u]);
-            }
-        }
-        for (int r = 0; r < R; ++r)
-            for (int u = 0; u < NVO; ++u) V_STORE(acc + r * evp + (c + u) * VW, o[r][u]);
-    }
-    for (; c < nvv; ++c) {
-        V o[MH_FEW_ROWS];
-        for (int r = 0; r < R; ++r) o[r] = V_MUL(V_LOAD(acc + r * evp + c * VW), V_SET1(alpha[r]));
-        for (int64_t j = 0; j < nk; ++j) {
-            const char *vr = v.base + j * v.row_bytes;
-            const T vs = (T)mh_row_scale(fmt, v.scale, v.scale_bytes, j);
-            if (fmt == MH_KV_I4)
-                FN(i4_pairs)((const uint16_t *)(v.scale + j * v.scale_bytes), nvv * VW / MH_I4_GROUP,
-                                pairs);
-            const V vv = FN(kv_vec)(vr, c * VW, fmt, pairs);
-            for (int r = 0; r < R; ++r) {
-                const T ps = p[r * BK + j];
-                const V pj = V_SET1(fmt == MH_KV_I8 ? ps * vs : ps);
-                o[r] = select ? FN(fma_visible)(ps, pj, vv, o[r]) : V_FMA(pj, vv, o[r]);
-            }
-        }
-        for (int r = 0; r < R; ++r) V_STORE(acc + r * evp + c * VW, o[r]);
-    }
+    for (; c + NC <= nvv; c += NC)
+        FN(few_rows_output_cols)(acc, evp, alpha, p, nk, v, nvv, c, NC, R, fmt, select);
+    if (NC > NVO)
+        for (; c + NVO <= nvv; c += NVO)
+            FN(few_rows_output_cols)(acc, evp, alpha, p, nk, v, nvv, c, NVO, R, fmt, select);
+    for (; c < nvv; ++c)
+        FN(few_rows_output_cols)(acc, evp, alpha, p, nk, v, nvv, c, 1, R, fmt, select);
 }
 
 /* Step 3: acc = alpha * acc + P V for the block's values (in place, or copied
@@ -1057,21 +1111,32 @@ static void FN(few_rows_mix)(const mh_attn_args *a, int64_t pair, int64_t nq, in
 static void FN(attend_few_rows)(const mh_attn_args *a, int64_t pair, int64_t q0, int64_t nq,
                                 int64_t k_lo, int64_t k_hi, FN(work) *w)
 {
-    const int64_t E = a->head_dim, ep = w->ep, evp = w->evp, L = nq / mh_group(a);
+    const int64_t E = a->head_dim, Ev = a->v_dim, ep = w->ep, evp = w->evp, L = nq / mh_group(a);
     const T scale = (T)mh_score_scale(a);
 
+    /* (local pointers: the compiler cannot know that these stores leave *w alone) */
+    T *qt = w->qt, *acc = w->acc;
+    const V vscale = V_SET1(scale);
     for (int64_t i = 0; i < nq; ++i) {
         const T *q = (const T *)a->q.base + mh_row_offset(a, &a->q, pair, q0, i, L);
-        for (int64_t d = 0; d < E; ++d) w->qt[i * ep + d] = q[d] * scale;
-        for (int64_t d = E; d < ep; ++d) w->qt[i * ep + d] = 0;
+        T *qi = qt + i * ep;
+        int64_t d = 0;
+        for (; d + VW <= E; d += VW) V_STORE(qi + d, V_MUL(V_LOAD(q + d), vscale));
+        for (; d < E; ++d) qi[d] = q[d] * scale;
+        for (; d < ep; ++d) qi[d] = 0;
         w->row_max[i] = (T)(-INFINITY);
         w->row_sum[i] = 0;
     }
-    for (int64_t i = 0; i < nq * evp; ++i) w->acc[i] = 0;
-    if (!w->k_in_place)
-        for (int64_t i = 0; i < BK * ep; ++i) w->kpack[i] = 0;
-    if (!w->v_in_place)
-        for (int64_t i = 0; i < BK * evp; ++i) w->vpack[i] = 0;
+    for (int64_t i = 0; i < nq * evp; i += VW) V_STORE(acc + i, V_ZERO());
+    /* copied key / value rows: load_rows writes columns [0, E) and [0, Ev) of
+       the rows it copies and the dots and the mix read only those rows, so
+       only the padding columns up to ep / evp must be (finite) zeros */
+    if (!w->k_in_place && ep > E)
+        for (int64_t j = 0; j < BK; ++j)
+            for (int64_t d = E; d < ep; ++d) w->kpack[j * ep + d] = 0;
+    if (!w->v_in_place && evp > Ev)
+        for (int64_t j = 0; j < BK; ++j)
+            for (int64_t d = Ev; d < evp; ++d) w->vpack[j * evp + d] = 0;
 
     int64_t k_begin, k_end;
     mh_key_range(a, q0, L, k_lo, k_hi, &k_begin, &k_end);

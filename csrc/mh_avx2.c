@@ -37,6 +37,22 @@ static inline double mh_hsum_f64_avx2(__m256d v)
     return _mm_cvtsd_f64(s);
 }
 
+/* out[0..4) = the lane sums of a, b, c, d: three horizontal adds leave
+   [a, b, c, d] partial sums in each 128-bit lane, then the two lanes added. */
+static inline void mh_hsum4_f32_avx2(__m256 a, __m256 b, __m256 c, __m256 d, float *out)
+{
+    const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
+    _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
+}
+
+static inline void mh_hsum4_f64_avx2(__m256d a, __m256d b, __m256d c, __m256d d, double *out)
+{
+    const __m256d ab = _mm256_hadd_pd(a, b); /* [a0+a1, b0+b1, a2+a3, b2+b3] */
+    const __m256d cd = _mm256_hadd_pd(c, d);
+    _mm256_storeu_pd(out, _mm256_add_pd(_mm256_permute2f128_pd(ab, cd, 0x20),
+                                        _mm256_permute2f128_pd(ab, cd, 0x31)));
+}
+
 /* r[0..8) transposed in place: afterwards r[c][i] holds what r[i][c] held. */
 static inline void mh_transpose_f32_avx2(__m256 r[8])
 {
@@ -97,6 +113,7 @@ static inline void mh_transpose_f64_avx2(__m256d r[4])
 #define V_FMA(a, b, c) _mm256_fmadd_ps((a), (b), (c))
 #define V_EXP(x) mh_exp_f32_avx2(x)
 #define V_HSUM(x) mh_hsum_f32_avx2(x)
+#define V_HSUM4(a, b, c, d, out) mh_hsum4_f32_avx2((a), (b), (c), (d), (out))
 #define V_TRANSPOSE(r) mh_transpose_f32_avx2(r)
 #define V_LOAD_HALF(p) _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p)))
 #define V_LOAD_BF16(p) \
@@ -186,6 +203,7 @@ static inline __m256 mh_exp2_f32_avx2(__m256 x)
 #define V_FMA(a, b, c) _mm256_fmadd_pd((a), (b), (c))
 #define V_EXP(x) mh_exp_f64_avx2(x)
 #define V_HSUM(x) mh_hsum_f64_avx2(x)
+#define V_HSUM4(a, b, c, d, out) mh_hsum4_f64_avx2((a), (b), (c), (d), (out))
 #define V_TRANSPOSE(r) mh_transpose_f64_avx2(r)
 #define V_NEG_INF_TO_ZERO(x) \
     _mm256_andnot_pd(_mm256_cmp_pd((x), _mm256_set1_pd(-INFINITY), _CMP_EQ_OQ), (x))

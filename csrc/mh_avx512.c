@@ -10,6 +10,33 @@
 #include <math.h>
 #include "mh_exp.h"
 
+/* out[0..4) = the lane sums of a, b, c, d: adjacent lanes of pairs first,
+   within 128-bit lanes (every lane then holds a partial sum of a, b, c, d),
+   then the four 128-bit lanes added. */
+static inline void mh_hsum4_f32_avx512(__m512 a, __m512 b, __m512 c, __m512 d, float *out)
+{
+    /* per 128-bit lane: [a0+a2, b0+b2, a1+a3, b1+b3] and the same for c, d */
+    const __m512 ab = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
+    const __m512 cd = _mm512_add_ps(_mm512_unpacklo_ps(c, d), _mm512_unpackhi_ps(c, d));
+    /* per 128-bit lane: [a, b, c, d] */
+    const __m512 x = _mm512_add_ps(_mm512_shuffle_ps(ab, cd, 0x44), _mm512_shuffle_ps(ab, cd, 0xEE));
+    const __m256 y = _mm256_add_ps(_mm512_castps512_ps256(x),
+                                   _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x), 1)));
+    _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(y), _mm256_extractf128_ps(y, 1)));
+}
+
+static inline void mh_hsum4_f64_avx512(__m512d a, __m512d b, __m512d c, __m512d d, double *out)
+{
+    /* per 128-bit lane: [a, b] and [c, d] */
+    const __m512d ab = _mm512_add_pd(_mm512_unpacklo_pd(a, b), _mm512_unpackhi_pd(a, b));
+    const __m512d cd = _mm512_add_pd(_mm512_unpacklo_pd(c, d), _mm512_unpackhi_pd(c, d));
+    const __m256d ab2 = _mm256_add_pd(_mm512_castpd512_pd256(ab), _mm512_extractf64x4_pd(ab, 1));
+    const __m256d cd2 = _mm256_add_pd(_mm512_castpd512_pd256(cd), _mm512_extractf64x4_pd(cd, 1));
+    _mm256_storeu_pd(out, _mm256_add_pd(_mm256_permute2f128_pd(ab2, cd2, 0x20),
+                                        _mm256_permute2f128_pd(ab2, cd2, 0x31)));
+}
+
+
 /* r[0..16) transposed in place: afterwards r[c][i] holds what r[i][c] held.
    Pairs of rows are interleaved within 128-bit lanes, then groups of four
    rows, then the 128-bit lanes are gathered across registers in two steps. */
@@ -84,6 +111,7 @@ static inline void mh_transpose_f64_avx512(__m512d r[8])
 #define V_FMA(a, b, c) _mm512_fmadd_ps((a), (b), (c))
 #define V_EXP(x) mh_exp_f32_avx512(x)
 #define V_HSUM(x) _mm512_reduce_add_ps(x)
+#define V_HSUM4(a, b, c, d, out) mh_hsum4_f32_avx512((a), (b), (c), (d), (out))
 #define V_TRANSPOSE(r) mh_transpose_f32_avx512(r)
 #define V_LOAD_HALF(p) _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p)))
 #define V_LOAD_BF16(p) \
@@ -176,6 +204,7 @@ static inline __m512 mh_exp2_f32_avx512(__m512 x)
 #define V_FMA(a, b, c) _mm512_fmadd_pd((a), (b), (c))
 #define V_EXP(x) mh_exp_f64_avx512(x)
 #define V_HSUM(x) _mm512_reduce_add_pd(x)
+#define V_HSUM4(a, b, c, d, out) mh_hsum4_f64_avx512((a), (b), (c), (d), (out))
 #define V_TRANSPOSE(r) mh_transpose_f64_avx512(r)
 #define V_NEG_INF_TO_ZERO(x) \
     _mm512_mask_blend_pd(_mm512_cmp_pd_mask((x), _mm512_set1_pd(-INFINITY), _CMP_EQ_OQ), (x), \

@@ -68,6 +68,18 @@ static inline float v4f_hsum(mh_v4f v)
     return vpadds_f32(vget_low_f32(p));
 }
 static inline double v2d_hsum(mh_v2d v) { return vpaddd_f64((float64x2_t)v); }
+/* out[0..4) = the lane sums of a, b, c, d in pairwise adds (the same order) */
+static inline void v4f_hsum4(mh_v4f a, mh_v4f b, mh_v4f c, mh_v4f d, float *out)
+{
+    const float32x4_t ab = vpaddq_f32((float32x4_t)a, (float32x4_t)b);
+    const float32x4_t cd = vpaddq_f32((float32x4_t)c, (float32x4_t)d);
+    vst1q_f32(out, vpaddq_f32(ab, cd));
+}
+static inline void v2d_hsum4(mh_v2d a, mh_v2d b, mh_v2d c, mh_v2d d, double *out)
+{
+    vst1q_f64(out, vpaddq_f64((float64x2_t)a, (float64x2_t)b));
+    vst1q_f64(out + 2, vpaddq_f64((float64x2_t)c, (float64x2_t)d));
+}
 /* Cache formats widened to 4 floats, for the float32 instantiation (see
    mh_kv_format and the V_LOAD_* macros below). */
 /* 4 IEEE halves (uint16 bits), exactly (fcvtl: subnormals, inf and NaN too) */
@@ -251,6 +263,7 @@ MH_UNARY(mh_v2d, double, 2, v2d_ninf0, t == -INFINITY ? 0.0 : t)
 #define V_NEG_INF_TO_ZERO(x) v4f_ninf0(x)
 #ifdef MH_BASELINE_NEON
 #define V_HSUM(v) v4f_hsum(v)
+#define V_HSUM4(a, b, c, d, out) v4f_hsum4((a), (b), (c), (d), (out))
 /* With V_LOAD_HALF the few-rows path reads float16 keys and values in place.
    No V_LOAD_BF16 or V_LOAD_I8: GCC vectorises their scalar loops 8 and 16
    values at a time (shll/shll2, sxtl/sxtl2), fewer instructions per value
@@ -298,6 +311,7 @@ MH_UNARY(mh_v2d, double, 2, v2d_ninf0, t == -INFINITY ? 0.0 : t)
 #define V_NEG_INF_TO_ZERO(x) v2d_ninf0(x)
 #ifdef MH_BASELINE_NEON
 #define V_HSUM(v) v2d_hsum(v)
+#define V_HSUM4(a, b, c, d, out) v2d_hsum4((a), (b), (c), (d), (out))
 #else
 #define V_HSUM(v) (MH_LANE(v, 0) + MH_LANE(v, 1))
 #endif

@@ -22,6 +22,7 @@
 #undef V_EXP
 #undef V_NEG_INF_TO_ZERO
 #undef V_HSUM
+#undef V_HSUM4
 #undef MH_LOAD_KV
 #undef MH_KV_AT
 #undef V_MARK_HIDDEN
