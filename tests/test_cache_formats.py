@@ -154,4 +154,4 @@ def test_grouped_decode_reads_each_kv_head_once_and_equals_repeated_heads(rng, f
     rep = (lambda a: None if a is None else np.repeat(a, 4, axis=1))
     repeated = _core.attention(q, rep(kq), rep(vq), k_scale=rep(ks), v_scale=rep(vs), **kw)
     np.testing.assert_array_equal(grouped, repeated)
-    assert _core._decode_group(q, kq, pad, True, False, 0.0) == 4
+    assert _core._decode_group(q, kq, pad, False, 0.0) == 4

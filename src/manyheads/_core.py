@@ -32,10 +32,11 @@ def kernel_ready(arr: np.ndarray, contiguous_rows: bool = True) -> np.ndarray:
     (except for masks) a contiguous last axis; transposed or sliced views
     usually qualify.  Call this before broadcasting, so a copy stays small.
     """
-    if arr.flags.c_contiguous and arr.flags.aligned:
+    flags = arr.flags  # a new flags object on every access: read it once
+    if flags.c_contiguous and flags.aligned:
         return arr
     item = arr.itemsize
-    ok = arr.flags.aligned and not any(s % item for s in arr.strides)
+    ok = flags.aligned and not any(s % item for s in arr.strides)
     if ok and contiguous_rows and arr.ndim and arr.shape[-1] > 1 and arr.strides[-1] != item:
         ok = False
     # a fresh copy: ascontiguousarray would hand back a contiguous but misaligned array
@@ -88,16 +89,17 @@ _STORAGE_BY_DTYPE = {"float16": "float16", "bfloat16": "bfloat16", "int8": "int8
                      "uint8": "int4"}
 
 
-def _decode_group(q: np.ndarray, k: np.ndarray, mask: np.ndarray | None, enable_gqa: bool,
+def _decode_group(q: np.ndarray, k: np.ndarray, mask: np.ndarray | None,
                   return_weights: bool, dropout_p: float) -> int:
-    """Query heads per kv head to serve together (1: no grouping).
+    """Query heads per kv head to serve together under grouped-query attention
+    (1: no grouping).
 
     Decode with grouped queries (a few query rows, each kv head shared by
     several query heads) reads every key and value once for all the heads that
     share it, when nothing differs between those heads but their queries: no
     weights, no dropout, a mask (if any) the same for every head.
     """
-    if not enable_gqa or return_weights or dropout_p > 0:
+    if return_weights or dropout_p > 0:
         return 1
     group = int(q.shape[-3] // k.shape[-3])
     L = q.shape[-2]
@@ -177,7 +179,7 @@ def attention(
     if k_scale is not None and v_scale is not None:  # int4: float16 pairs, read as bits
         kvs += tuple(kernel_ready(a.view(np.uint16) if a.dtype == np.float16 else a)
                      for a in (k_scale, v_scale))
-    group = _decode_group(q, kvs[0], mask, enable_gqa, return_weights, dropout_p)
+    group = _decode_group(q, kvs[0], mask, return_weights, dropout_p) if enable_gqa else 1
     if group > 1:  # each kv head read once for the query heads that share it
         batch, qv, kv_views, n_kv_batch = _grouped_views(q, kvs, group)
         nb = n_kv_batch + 1  # q and out: (.., kv heads, group, L, x)

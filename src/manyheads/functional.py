@@ -53,21 +53,23 @@ def _check_shapes(q: np.ndarray, k: np.ndarray, v: np.ndarray) -> None:
         raise TypeError(
             f"query, key and value must share one dtype; got {q.dtype}, {k.dtype}, {v.dtype}"
         )
-    for name, arr in (("query", q), ("key", k), ("value", v)):
-        if arr.ndim < 2:
-            raise ValueError(f"{name} must have at least 2 dimensions (..., length, features), "
-                             f"got shape {arr.shape}")
-    if q.shape[-1] != k.shape[-1]:
+    qs, ks, vs = q.shape, k.shape, v.shape
+    if len(qs) < 2 or len(ks) < 2 or len(vs) < 2:
+        name, shape = next((n, a.shape) for n, a in (("query", q), ("key", k), ("value", v))
+                           if a.ndim < 2)
+        raise ValueError(f"{name} must have at least 2 dimensions (..., length, features), "
+                         f"got shape {shape}")
+    if qs[-1] != ks[-1]:
         raise ValueError(
-            f"query and key must have the same last dimension (E); got query {q.shape} "
-            f"and key {k.shape}"
+            f"query and key must have the same last dimension (E); got query {qs} "
+            f"and key {ks}"
         )
-    if k.shape[-2] != v.shape[-2]:
+    if ks[-2] != vs[-2]:
         raise ValueError(
-            f"key and value must have the same length (S, axis -2); got key {k.shape} "
-            f"and value {v.shape}"
+            f"key and value must have the same length (S, axis -2); got key {ks} "
+            f"and value {vs}"
         )
-    if q.shape[-1] == 0:
+    if qs[-1] == 0:
         raise ValueError("query and key must have a last dimension (E) of at least 1")
 
 
