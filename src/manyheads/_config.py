@@ -99,16 +99,19 @@ def check_num_threads(n: object, name: str = "num_threads") -> int:
 _CPUS = os.cpu_count() or 1
 
 
+_MAX_THREADS = 4 * _CPUS
+
+
 def max_threads() -> int:
     """Cap on any thread request: 4 per core (beyond that threads only cost)."""
-    return 4 * _CPUS
+    return _MAX_THREADS
 
 
 def resolve_num_threads(n: object) -> int:
     if n is None:
-        return min(get_num_threads(), max_threads())
+        return min(get_num_threads(), _MAX_THREADS)
     n = check_num_threads(n)
-    return min(n, max_threads()) if _OPENMP and not _state["forked"] else 1
+    return min(n, _MAX_THREADS) if _OPENMP and not _state["forked"] else 1
 
 
 def _after_fork_in_child() -> None:

@@ -52,6 +52,8 @@ def check_optional_real(value: Any, name: str) -> float | None:
 
 
 def check_bool(value: Any, name: str) -> bool:
+    if value is False or value is True:  # the usual case, checked first (hot path)
+        return value
     if not isinstance(value, (bool, np.bool_)):
         raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
     return bool(value)
@@ -59,6 +61,8 @@ def check_bool(value: Any, name: str) -> bool:
 
 def check_dropout(value: Any, name: str = "dropout_p") -> float:
     """A dropout probability in [0, 1]."""
+    if type(value) is float and 0.0 <= value <= 1.0:  # the usual case (hot path)
+        return value
     return check_real(value, name, low=0.0, high=1.0)
 
 
