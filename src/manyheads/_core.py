@@ -77,10 +77,8 @@ def _pair_views(q: np.ndarray, kvs: tuple[np.ndarray, ...], enable_gqa: bool
         kv_shape = outer + (hkv, hq // hkv)
         views = [np.broadcast_to(a[..., :, None, :, :], kv_shape + a.shape[-2:]) for a in kvs]
         return batch, _broadcast(q, batch + (L, E)), views, len(kv_shape)
-    batch = q.shape[:-2]
-    if len(kvs) == 2 and kvs[0].shape[:-2] == batch == kvs[1].shape[:-2]:
-        return batch, q, list(kvs), len(batch)  # the common case: nothing to broadcast
-    batch = broadcast_shapes("query, key and value", batch, *(a.shape[:-2] for a in kvs))
+    batch = broadcast_shapes("query, key and value", q.shape[:-2],
+                             *(a.shape[:-2] for a in kvs))
     return (batch, _broadcast(q, batch + (L, E)),
             [_broadcast(a, batch + a.shape[-2:]) for a in kvs], len(batch))
 
@@ -184,8 +182,13 @@ def attention(
         batch, qv, kv_views, n_kv_batch = _grouped_views(q, kvs, group)
         nb = n_kv_batch + 1  # q and out: (.., kv heads, group, L, x)
         mask_batch = batch[:-1]
+    elif not enable_gqa and len(kvs) == 2 and \
+            kvs[0].shape[:-2] == q.shape[:-2] == kvs[1].shape[:-2]:
+        # the common case, kept off the function call: nothing to broadcast
+        batch, qv, kv_views, n_kv_batch = q.shape[:-2], q, list(kvs), q.ndim - 2
     else:
         batch, qv, kv_views, n_kv_batch = _pair_views(q, kvs, enable_gqa)
+    if group == 1:
         nb = len(batch)
         mask_batch = batch
     mv = None
