@@ -51,10 +51,6 @@ def waited_for_absent_threads(start: float, worked: float, end: float) -> bool:
     """Whether a split call's calling thread, busy from ``start`` to ``worked``, then
     waited until ``end`` for threads that had no core."""
 
-def contended() -> bool:
-    """True while small calls run serially because the last split call found no free core."""
-
-def _set_serial_work(work: float) -> float: ...
 def threads_for_call(requested: int, active_calls: int) -> int:
     """Threads one of ``active_calls`` simultaneous calls gets from a budget of ``requested``."""
 

@@ -150,13 +150,6 @@ cdef double _serial_work = 524288
 SERIAL_WORK = _serial_work
 
 
-def _set_serial_work(double work):
-    """Experiments only: change the serial-work threshold (returns the old one)."""
-    global _serial_work
-    old = _serial_work
-    _serial_work = work
-    return old
-
 cdef const mh_kernel_table *_table = mh_kernels(0)
 cdef mh_sgemm_fn _sgemm = NULL
 cdef mh_dgemm_fn _dgemm = NULL
@@ -350,11 +343,6 @@ cpdef bint waited_for_absent_threads(double start, double worked, double end) no
     imbalance (their last items are no longer than its own): they had no core."""
     cdef double wait = end - worked, own = worked - start
     return wait > 0.0005 and wait > 2 * own
-
-
-def contended():
-    """True while small calls run serially because the last split call found no free core."""
-    return mh_seconds() < _contended_until
 
 
 # Kernel calls in flight from all Python threads: together they use about the
