@@ -26,7 +26,9 @@ mh_scratch_layout mh_scratch_plan(int64_t head_dim, int64_t v_dim)
     s.ep = MH_ROUND16(head_dim);
     s.evp = MH_ROUND16(v_dim);
     s.qt = 0;
-    s.st = s.qt + MH_ROUND16(head_dim * MH_BLOCK_Q);
+    /* the tile path keeps the query block transposed (head_dim x BLOCK_Q), the few-rows
+       path as up to BLOCK_Q rows of ep (grouped decode): room for the larger */
+    s.st = s.qt + MH_BLOCK_Q * s.ep;
     s.acc = s.st + (int64_t)MH_BLOCK_K * MH_BLOCK_Q;
     s.kpack = s.acc + (int64_t)MH_BLOCK_Q * s.evp;
     s.vpack = s.kpack + (int64_t)MH_BLOCK_K * s.ep;

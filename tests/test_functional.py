@@ -136,6 +136,17 @@ def test_grouped_query_attention(rng, Hq, Hkv):
     np.testing.assert_array_equal(one[:, 0], out[:, h])
 
 
+@pytest.mark.parametrize("E,Hq,L", [(40, 16, 4), (8, 16, 4), (4, 32, 1), (40, 64, 1)])
+def test_grouped_decode_with_many_query_rows_and_a_ragged_head_size(rng, E, Hq, L):
+    # up to 64 query rows (heads x rows) share one kv head in one work item; with E
+    # not a multiple of 16 their padded rows once overran the queries' scratch
+    q = normal(rng, (1, Hq, L, E), np.float32)
+    k, v = (normal(rng, (1, 1, 300, E), np.float32) for _ in range(2))
+    out = mh.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+    ref = reference(q, np.repeat(k, Hq, 1), np.repeat(v, Hq, 1))
+    np.testing.assert_allclose(out, ref, rtol=0, atol=atol_for(np.float32))
+
+
 def test_non_contiguous_transposed_and_read_only_inputs(rng):
     packed = normal(rng, (2, 40, 3 * 4 * 16), np.float32)   # (B, T, 3*H*D), like a QKV GEMM
     q, k, v = (packed[..., i * 64:(i + 1) * 64].reshape(2, 40, 4, 16).transpose(0, 2, 1, 3)
