@@ -621,12 +621,13 @@ static void FN(tile_softmax)(FN(work) *w, int64_t nvq, int64_t nk, int mark)
     }
 }
 
-/* acc + p*x, or acc unchanged when p (the broadcast of ps) is marked hidden. */
+/* acc + p*x, or acc unchanged when the probability ps is marked hidden (p is ps,
+   or ps times an int8 row's scale: the mark is read from ps, which a NaN scale
+   cannot unmark). */
 MH_INLINE V FN(fma_visible)(T ps, V p, V x, V acc)
 {
 #ifdef V_FMA_VISIBLE
-    (void)ps;
-    return V_FMA_VISIBLE(p, x, acc, V_VISIBLE(p));
+    return V_FMA_VISIBLE(p, x, acc, V_VISIBLE(V_SET1(ps)));
 #else
     return MH_IS_HIDDEN(ps) ? acc : V_FMA(p, x, acc);
 #endif
