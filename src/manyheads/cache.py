@@ -42,16 +42,15 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from . import _config, _core
+from . import _config, _core, _kernels
 from ._validate import (as_float_array, check_bool, check_int, check_optional_int,
                         check_optional_real)
 
 __all__ = ["KVCache", "CacheStep"]
 
-FORMATS = ("float32", "float64", "float16", "bfloat16", "int8", "int4")
 _FORMATS_TEXT = ("float32, float64, float16, ml_dtypes.bfloat16 (or 'bfloat16'), "
                  "'int8' or 'int4'")
-I4_GROUP = 32  # channels per (scale, minimum) pair of an int4 cache
+I4_GROUP = _kernels.I4_GROUP  # channels per (scale, minimum) pair of an int4 cache
 
 
 def storage_format(dtype: Any) -> str:
@@ -168,12 +167,17 @@ class KVCache:
         self.window = window
         self.capacity = self.max_len if self.window is None else min(self.max_len, self.window)
         rows = (self.batch_size, self.num_kv_heads, self.capacity)
-        stored, scales = quantize(np.zeros(rows + (self.head_dim,), np.float32), fmt)
-        self.keys: np.ndarray = stored
-        self.values: np.ndarray = stored.copy()
-        # int8 / int4: float32 scales per stored row (see quantize)
-        self.key_scales: np.ndarray | None = scales
-        self.value_scales: np.ndarray | None = None if scales is None else scales.copy()
+        # the storage layout of one zero row (quantize defines it), allocated as zeros
+        # at full size: no float32 temporary of the whole cache
+        row, row_scales = quantize(np.zeros(self.head_dim, np.float32), fmt)
+        self.keys: np.ndarray = np.zeros(rows + row.shape, row.dtype)
+        self.values: np.ndarray = np.zeros_like(self.keys)
+        # int8: a float32 scale per stored row; int4: float16 (scale, minimum) pairs
+        # per group of I4_GROUP channels (see quantize)
+        self.key_scales: np.ndarray | None = (
+            None if row_scales is None else np.zeros(rows + row_scales.shape, row_scales.dtype))
+        self.value_scales: np.ndarray | None = (
+            None if self.key_scales is None else np.zeros_like(self.key_scales))
         self.padding: np.ndarray = np.zeros((self.batch_size, self.capacity), dtype=bool)
         self._len = 0
         self._any_padding = False
