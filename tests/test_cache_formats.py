@@ -46,6 +46,16 @@ def test_half_inputs_match_the_oracle_on_the_same_rounded_inputs(rng, dtype, L, 
 
 
 @pytest.mark.parametrize("dtype", HALVES)
+def test_an_additive_mask_may_be_half_precision(rng, dtype):
+    q, k, v = (normal(rng, (1, 2, 5, 16), np.float32) for _ in range(3))
+    mask = np.where(rng.random((5, 5)) > 0.3, normal(rng, (5, 5), np.float32), -np.inf)
+    half = mask.astype(dtype)
+    got = mh.scaled_dot_product_attention(q, k, v, attn_mask=half)
+    want = mh.scaled_dot_product_attention(q, k, v, attn_mask=half.astype(np.float32))
+    np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("dtype", HALVES)
 def test_half_inputs_with_masks_gqa_weights_and_dropout(rng, dtype):
     q = normal(rng, (1, 6, 20, 32)).astype(dtype)
     k, v = (normal(rng, (1, 2, 20, 32)).astype(dtype) for _ in range(2))

@@ -14,7 +14,7 @@ import numpy as np
 from . import _config, _core
 from ._validate import (ATTENTION_DTYPES_TEXT, FLOAT_DTYPES,
                         as_attention_array, as_float_array, check_bool,
-                        check_dropout, check_optional_real, seed_value)
+                        check_dropout, check_optional_real, is_half, seed_value)
 
 __all__ = ["scaled_dot_product_attention", "linear", "SUPPORTED_DTYPES"]
 
@@ -25,7 +25,7 @@ def _check_mask(attn_mask: Any, dtype: np.dtype) -> np.ndarray:
     mask = attn_mask if isinstance(attn_mask, np.ndarray) else np.asarray(attn_mask)
     if mask.dtype == np.bool_:
         return mask
-    if mask.dtype.kind != "f" or mask.dtype.itemsize not in (2, 4, 8):
+    if not (mask.dtype in FLOAT_DTYPES or is_half(mask.dtype)):
         raise TypeError(
             f"attn_mask has dtype {mask.dtype}; expected bool (True = may attend) "
             f"or a float mask ({ATTENTION_DTYPES_TEXT}) added to the scores"
