@@ -19,6 +19,6 @@ def test_readme_python_examples_run(tmp_path, monkeypatch):
                     if f"import {m}" in code or f"from {m} import" in code]
         if any(importlib.util.find_spec(m) is None for m in optional):
             continue  # an optional extra this environment lacks
-        exec(compile(code, str(README), "exec"), {})
+        exec(compile(code, str(README), "exec"), {"__name__": "__main__"})  # as a script runs it
         ran += 1
     assert ran >= 2
