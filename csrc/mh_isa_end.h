@@ -23,8 +23,6 @@
 #undef V_NEG_INF_TO_ZERO
 #undef V_HSUM
 #undef V_HSUM4
-#undef MH_LOAD_KV
-#undef MH_KV_AT
 #undef V_MARK_HIDDEN
 #undef V_TRANSPOSE
 #undef V_EXP2

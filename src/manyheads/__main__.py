@@ -182,8 +182,6 @@ def cmd_demo(args: argparse.Namespace) -> int:
 def _load_checkpoint(folder: str) -> tuple[Any, Any]:
     """(model, tokenizer or None) of a checkpoint folder; the tokenizer is read from
     ``tokenizer.json`` when there is one."""
-    import os
-
     from manyheads.models import from_pretrained
 
     model = from_pretrained(folder)
@@ -306,8 +304,6 @@ def cmd_generate(args: argparse.Namespace) -> int:
     def on_token(step: int, tokens: np.ndarray) -> None:
         stamps.append(time.perf_counter())
         t = int(tokens[0])
-        if eos is not None and new and new[-1] == eos:
-            return  # the row has finished (generate pads it with the end token)
         new.append(t)
         if tok is None:
             out.write(f" {t}")

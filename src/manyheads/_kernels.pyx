@@ -311,8 +311,8 @@ cdef int _run_items(const Job *job, item_fn fn, int64_t n_items, int nt,
                         fn(job, it, job.scratch + threadid() * job.stride)
                         if threadid() == 0:
                             worked_ptr[0] = mh_seconds()
-                        if check_signals and threadid() == 0 and mh_seconds() >= next_ptr[0]:
-                            next_ptr[0] = mh_seconds() + period
+                        if check_signals and threadid() == 0 and worked_ptr[0] >= next_ptr[0]:
+                            next_ptr[0] = worked_ptr[0] + period
                             with gil:
                                 if PyErr_CheckSignals() != 0:
                                     mh_flag_set(stop_flag)
