@@ -106,6 +106,14 @@ class DecoderModel:
     eos_token_id: int | None = None
     learned_positions = False  # True: _embed reads the tokens' absolute positions
 
+    def _token_rows(self, table: np.ndarray | None, ids: np.ndarray) -> np.ndarray:
+        """Rows ``ids`` of the token embedding ``table``, or with tied embeddings (None)
+        the LM head's columns: a new (B, T, d_model) array."""
+        if table is not None:
+            rows: np.ndarray = table[ids]
+            return rows
+        return np.ascontiguousarray(np.moveaxis(self.head[:, ids], 0, -1))
+
     # -- supplied by each architecture -------------------------------------------------
     def _embed(self, ids: np.ndarray, positions: np.ndarray | None) -> np.ndarray:
         """(B, T, d_model) float32 input of the first block, a new array (the blocks

@@ -162,11 +162,7 @@ class GPT2(DecoderModel):
 
     def _embed(self, ids: np.ndarray, positions: np.ndarray | None) -> np.ndarray:
         assert positions is not None
-        x: np.ndarray
-        if self.wte is not None:
-            x = self.wte[ids]
-        else:
-            x = np.ascontiguousarray(np.moveaxis(self.head[:, ids], 0, -1))
+        x = self._token_rows(self.wte, ids)
         x += self.wpe[positions]
         return x
 

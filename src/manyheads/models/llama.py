@@ -170,10 +170,7 @@ class Llama(DecoderModel):
         self.eos_token_id = eos_of(cfg)
 
     def _embed(self, ids: np.ndarray, positions: np.ndarray | None) -> np.ndarray:
-        if self.embed is not None:
-            x: np.ndarray = self.embed[ids]
-            return x
-        return np.ascontiguousarray(np.moveaxis(self.head[:, ids], 0, -1))
+        return self._token_rows(self.embed, ids)
 
     def _final_norm(self, x: np.ndarray) -> np.ndarray:
         return rms_norm(x, self.norm, self.eps)
