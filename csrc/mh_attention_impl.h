@@ -1014,7 +1014,7 @@ static void FN(few_rows_softmax)(FN(work) *w, int64_t nq, int64_t nk, int mark)
    folded into its probabilities), each value vector widened once for the R
    rows; `select` skips hidden entries.  R * NC accumulators. */
 MH_INLINE void FN(few_rows_output_cols)(T *acc, int64_t evp, const T *alpha, const T *p,
-                                        int64_t nk, FN(kv_rows) v, int64_t nvv, int64_t c,
+                                        int64_t nk, FN(kv_rows) v, int64_t c,
                                         const int NC, const int R, const int fmt,
                                         const int select)
 {
@@ -1024,12 +1024,15 @@ MH_INLINE void FN(few_rows_output_cols)(T *acc, int64_t evp, const T *alpha, con
         const V a = V_SET1(alpha[r]);
         for (int u = 0; u < NC; ++u) o[r][u] = V_MUL(V_LOAD(acc + r * evp + (c + u) * VW), a);
     }
+    /* int4: the groups this chunk's columns fall in, widened at their own places */
+    const int64_t g0 = c * VW / MH_I4_GROUP;
+    const int64_t g1 = ((c + NC) * VW + MH_I4_GROUP - 1) / MH_I4_GROUP;
     for (int64_t j = 0; j < nk; ++j) {
         const char *vr = v.base + j * v.row_bytes;
         const T vs = (T)mh_row_scale(fmt, v.scale, v.scale_bytes, j);
-        if (fmt == MH_KV_I4) /* the groups of this chunk's columns */
-            FN(i4_pairs)((const uint16_t *)(v.scale + j * v.scale_bytes), nvv * VW / MH_I4_GROUP,
-                         pairs);
+        if (fmt == MH_KV_I4)
+            FN(i4_pairs)((const uint16_t *)(v.scale + j * v.scale_bytes) + 2 * g0, g1 - g0,
+                         pairs + 2 * g0);
         V vv[4 * NVO];
         for (int u = 0; u < NC; ++u) vv[u] = FN(kv_vec)(vr, (c + u) * VW, fmt, pairs);
         for (int r = 0; r < R; ++r) {
@@ -1055,12 +1058,12 @@ MH_INLINE void FN(few_rows_output)(T *acc, int64_t evp, const T *alpha, const T 
     const int NC = R == 1 ? 4 * NVO : R == 2 ? 2 * NVO : NVO;
     int64_t c = 0;
     for (; c + NC <= nvv; c += NC)
-        FN(few_rows_output_cols)(acc, evp, alpha, p, nk, v, nvv, c, NC, R, fmt, select);
+        FN(few_rows_output_cols)(acc, evp, alpha, p, nk, v, c, NC, R, fmt, select);
     if (NC > NVO)
         for (; c + NVO <= nvv; c += NVO)
-            FN(few_rows_output_cols)(acc, evp, alpha, p, nk, v, nvv, c, NVO, R, fmt, select);
+            FN(few_rows_output_cols)(acc, evp, alpha, p, nk, v, c, NVO, R, fmt, select);
     for (; c < nvv; ++c)
-        FN(few_rows_output_cols)(acc, evp, alpha, p, nk, v, nvv, c, 1, R, fmt, select);
+        FN(few_rows_output_cols)(acc, evp, alpha, p, nk, v, c, 1, R, fmt, select);
 }
 
 /* Step 3: acc = alpha * acc + P V for the block's values (in place, or copied
