@@ -191,6 +191,8 @@ def attention(
     if group == 1:
         nb = len(batch)
         mask_batch = batch
+    # the (.., query heads) batch the caller sees (grouped: (.., kv heads, group) inside)
+    heads_batch = batch if group == 1 else batch[:-2] + (batch[-2] * group,)
     mv = None
     if mask is not None:
         mask = kernel_ready(mask, contiguous_rows=False)
@@ -199,12 +201,12 @@ def attention(
             mv = _broadcast(mask, mask_batch + (L, S))
         except ValueError:
             raise ValueError(
-                f"attn_mask of shape {mask.shape} does not broadcast to {batch + (L, S)}"
+                f"attn_mask of shape {mask.shape} does not broadcast to "
+                f"{heads_batch + (L, S)}"
             ) from None
 
-    out_shape = batch + (L, Ev) if group == 1 else batch[:-2] + (batch[-2] * group, L, Ev)
     if out is None:
-        out = np.empty(out_shape, dtype=q.dtype)
+        out = np.empty(heads_batch + (L, Ev), dtype=q.dtype)
     weights = np.zeros(batch + (L, S), dtype=q.dtype) if return_weights else None
     n_pairs = math.prod(batch) if group == 1 else math.prod(batch[:-1])
     if n_pairs and L and (S == 0 or Ev == 0):
