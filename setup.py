@@ -1,7 +1,8 @@
 """Build of manyheads' one extension, ``manyheads._kernels``.
 
 * The C kernels in ``csrc/`` are compiled file by file: the baseline and the
-  dispatcher with no ISA flags, ``mh_avx2.c`` and ``mh_avx512.c`` with their
+  dispatcher with no ISA flags, ``mh_avx2.c``, ``mh_avx512.c`` and
+  ``mh_avx512bf16.c`` (the AVX-512 kernels again, with AVX512-BF16) with their
   own target flags.  The run-time dispatcher picks one; nothing is tuned to
   the build machine's CPU and no AVX code exists outside the per-ISA files.
   Host-tuning flags (``-march=...``, ``-mtune=...``, ``-mcpu=...``) that an
@@ -24,6 +25,7 @@ import numpy as np
 from Cython.Build import cythonize
 from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
+from setuptools.errors import CompileError
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 CSRC = "csrc"
@@ -104,6 +106,24 @@ class BuildExt(build_ext):
         if dropped:
             print(f"manyheads: ignoring host-tuning flags {sorted(dropped)} (portable build)")
 
+    def _compile_isa(self, fname, base, flags):
+        """Object files of one ISA source; a compiler that rejects the AVX512-BF16
+        flags builds mh_avx512bf16.c without them (it then holds no such path)."""
+        def compile_with(extra):
+            return self.compiler.compile(
+                [os.path.join(CSRC, fname)], output_dir=self.build_temp, include_dirs=[CSRC],
+                extra_postargs=base + extra,
+                depends=[os.path.join(CSRC, h) for h in
+                         ("mh_kernels.h", "mh_attention_impl.h", "mh_linear_impl.h",
+                          "mh_isa_end.h", "mh_exp.h", "mh_avx512.c")])
+        try:
+            return compile_with(flags)
+        except CompileError:
+            if fname != "mh_avx512bf16.c" or self._msvc():
+                raise
+            print("manyheads: the compiler has no AVX512-BF16; building without that path")
+            return compile_with([f for f in flags if f not in ("-mavx512bw", "-mavx512bf16")])
+
     def build_extensions(self):
         msvc = self._msvc()
         if not msvc:
@@ -114,23 +134,18 @@ class BuildExt(build_ext):
             if msvc:
                 isa_flags["mh_avx2.c"] = ["/arch:AVX2"]
                 isa_flags["mh_avx512.c"] = ["/arch:AVX512"]
+                isa_flags["mh_avx512bf16.c"] = ["/arch:AVX512"]
             else:
                 isa_flags["mh_avx2.c"] = ["-mavx2", "-mfma", "-mf16c"]
                 isa_flags["mh_avx512.c"] = ["-mavx512f", "-mavx2", "-mfma", "-mf16c"]
+                isa_flags["mh_avx512bf16.c"] = isa_flags["mh_avx512.c"] + [
+                    "-mavx512bw", "-mavx512bf16"]
         omp = self._openmp_flags()
         self.manyheads_openmp = omp is not None
         for ext in self.extensions:
             objects = []
             for fname, flags in isa_flags.items():
-                objects += self.compiler.compile(
-                    [os.path.join(CSRC, fname)],
-                    output_dir=self.build_temp,
-                    include_dirs=[CSRC],
-                    extra_postargs=base + flags,
-                    depends=[os.path.join(CSRC, h) for h in
-                             ("mh_kernels.h", "mh_attention_impl.h", "mh_linear_impl.h",
-                              "mh_isa_end.h", "mh_exp.h")],
-                )
+                objects += self._compile_isa(fname, base, flags)
             ext.extra_objects = objects + list(ext.extra_objects or [])
             if omp is not None:
                 ext.extra_compile_args = list(ext.extra_compile_args or []) + omp[0]

@@ -20,9 +20,14 @@
  *   V_HSUM4(a, b, c, d, out)  optional: out[0..4) = the lane sums of a, b, c, d
  *   V_LOAD_HALF(p)  optional: VW float16 values widened to V (float paths)
  *   V_LOAD_BF16(p)  optional: VW bfloat16 values widened to V (float paths)
+ *   V_STORE_BF16(p, v)  optional: v rounded to VW bfloat16 values (nearest even,
+ *                NaN stays NaN) stored at p (float paths)
  *   V_LOAD_I8(p)    optional: VW int8 values converted to V (float paths)
  *   V_LOAD_U4(p)    optional: VW 4-bit values from VW/2 bytes (low nibble first) to V
  *   S_HALF_TO_FLOAT(h)  optional: one float16 (bits) to float in an instruction
+ *   V_DPBF16(acc, a, b) and VP, VP_LOAD, VP_STORE, VP_SET1, VP_LOW, VP_HIGH,
+ *   VP_AS_V, VP_PAIR, VP_INTERLEAVE   optional (float, avx512bf16): the
+ *                bfloat16 pair-dot tile path, see "bfloat16 pairs" below
  *
  * A work item has two paths, which share the same three steps per key block
  * (scores with every mask applied, online softmax, value mix):
@@ -50,6 +55,7 @@
 #ifndef MH_IMPL_COMMON_DONE
 #define MH_IMPL_COMMON_DONE
 #include <math.h>
+#include <string.h>
 #include "mh_kernels.h"
 #if defined(_MSC_VER)
 #define MH_INLINE static __forceinline
@@ -310,6 +316,8 @@ typedef struct {
     int v_in_place;    /* few-rows path: values read in place */
     int k_direct;      /* tile path: keys read in place (native type, short row stride) */
     int v_direct;      /* tile path: values read in place (and rows of whole vectors) */
+    int dp;            /* tile path: bfloat16 pair dot products (see "bfloat16 pairs") */
+    uint32_t *pt2;     /* dp: the probabilities as bfloat16 pairs of keys */
 } FN(work);
 
 static FN(work) FN(carve)(const mh_attn_args *a, int64_t nq, void *scratch)
@@ -328,6 +336,7 @@ static FN(work) FN(carve)(const mh_attn_args *a, int64_t nq, void *scratch)
     w.row_max = base + s.row_max;
     w.row_sum = base + s.row_sum;
     w.alpha = base + s.alpha;
+    w.pt2 = (uint32_t *)(base + s.pt2);
     w.ep = s.ep;
     w.evp = s.evp;
     w.few_rows = (nq <= MH_FEW_ROWS || a->group > 1) && a->weights == NULL;
@@ -342,6 +351,11 @@ static FN(work) FN(carve)(const mh_attn_args *a, int64_t nq, void *scratch)
                  a->k.row * (int64_t)sizeof(T) <= MH_DIRECT_ROW_BYTES;
     w.v_direct = a->kv_format == MH_KV_NATIVE && a->v_dim % VW == 0 &&
                  a->v.row * (int64_t)sizeof(T) <= MH_DIRECT_ROW_BYTES;
+#ifdef V_DPBF16
+    w.dp = !w.few_rows && a->kv_format == MH_KV_BF16 && a->q_bf16 && a->head_dim % 2 == 0;
+#else
+    w.dp = 0;
+#endif
     return w;
 }
 
@@ -468,6 +482,29 @@ static void FN(apply_dropout)(const mh_attn_args *a, int64_t pair, int64_t q0, i
 
 /* ---- tile path --------------------------------------------------------------- */
 
+/* bfloat16 pairs (the dp path: bfloat16 queries, keys and values on a path
+   with V_DPBF16).  Two neighbours along the dot product's axis are one 32-bit
+   word, and one vdpbf16ps does the work of two FMAs:
+     scores  qt holds the query block as words qt2[d/2][i] = (q_i[d], q_i[d+1])
+             (unscaled: the words are the caller's bfloat16 numbers, so nothing
+             rounds; the scale multiplies the finished scores), and each key's
+             word (k[d], k[d+1]) is broadcast straight from the stored rows;
+     mix     vpack holds the value block as words (v[j][e], v[j+1][e]) and pt2
+             the probabilities as words (p[j][i], p[j+1][i]), rounded to
+             bfloat16 (the one rounding this path adds: at most 2^-8 of each
+             probability).  A pair is only taken where both keys are visible
+             to every row of the output tile; keys that need the hidden-entry
+             select go one at a time, widened from their half of the word,
+             with the float probability. */
+#ifdef V_DPBF16
+static inline uint32_t mh_load_word(const uint16_t *p)
+{
+    uint32_t w;
+    memcpy(&w, p, sizeof w);
+    return w;
+}
+#endif
+
 /* Score tile: st[r][c*VW ..] = k_r . qt[., c*VW ..] for R keys (R <= JR) and NV
    query vectors (NV <= NVQ); JR x NVQ accumulators stay in registers while d
    runs over the head dimension, four steps at a time. */
@@ -481,13 +518,35 @@ static void FN(apply_dropout)(const mh_attn_args *a, int64_t pair, int64_t q0, i
         }                                                                          \
     } while (0)
 
-MH_INLINE void FN(score_tile)(const T *qt, int64_t E, const T *k, int64_t k_row,
-                              T *st, const int R, const int NV)
+MH_INLINE void FN(score_tile)(const T *qt, int64_t E, const void *kp, int64_t k_row,
+                              T *st, const int R, const int NV, const int DP, T scale)
 {
     V acc[JR][NVQ];
     int64_t d = 0;
     for (int r = 0; r < R; ++r)
         for (int c = 0; c < NV; ++c) acc[r][c] = V_ZERO();
+#ifdef V_DPBF16
+    if (DP) { /* qt: words [E/2][BQ]; kp: bfloat16 rows; see "bfloat16 pairs" */
+        const uint32_t *qw = (const uint32_t *)qt;
+        const uint16_t *kh = (const uint16_t *)kp;
+        for (int64_t d2 = 0; d2 < E / 2; ++d2) {
+            VP qv[NVQ];
+            for (int c = 0; c < NV; ++c) qv[c] = VP_LOAD(qw + d2 * BQ + c * VW);
+            for (int r = 0; r < R; ++r) {
+                const VP kb = VP_SET1(mh_load_word(kh + r * k_row + 2 * d2));
+                for (int c = 0; c < NV; ++c) acc[r][c] = V_DPBF16(acc[r][c], kb, qv[c]);
+            }
+        }
+        const V vs = V_SET1(scale);
+        for (int r = 0; r < R; ++r)
+            for (int c = 0; c < NV; ++c) V_STORE(st + r * BQ + c * VW, V_MUL(acc[r][c], vs));
+        return;
+    }
+#else
+    (void)DP;
+    (void)scale;
+#endif
+    const T *k = (const T *)kp;
     for (; d + 4 <= E; d += 4) {
         MH_SCORE_STEP(d);
         MH_SCORE_STEP(d + 1);
@@ -501,17 +560,20 @@ MH_INLINE void FN(score_tile)(const T *qt, int64_t E, const T *k, int64_t k_row,
 #undef MH_SCORE_STEP
 
 /* Keys [0, nkc) against NV query vectors: whole JR-key tiles, then one tile
-   of the keys left over. */
-MH_INLINE void FN(score_keys)(const T *qt, int64_t E, const T *k, int64_t k_row, int64_t nkc,
-                              T *st, const int NV)
+   of the keys left over.  k: the key rows (bfloat16 with DP, else T). */
+MH_INLINE void FN(score_keys)(const T *qt, int64_t E, const void *k, int64_t k_row, int64_t nkc,
+                              T *st, const int NV, const int DP, T scale)
 {
+    const int64_t row_bytes = k_row * (DP ? 2 : (int64_t)sizeof(T));
+    const char *kb = (const char *)k;
     int64_t j = 0;
-    for (; j + JR <= nkc; j += JR) FN(score_tile)(qt, E, k + j * k_row, k_row, st + j * BQ, JR, NV);
-    k += j * k_row;
+    for (; j + JR <= nkc; j += JR)
+        FN(score_tile)(qt, E, kb + j * row_bytes, k_row, st + j * BQ, JR, NV, DP, scale);
+    kb += j * row_bytes;
     st += j * BQ;
     switch (nkc - j) { /* 0 .. JR-1 keys left; the guards keep R <= JR at compile time */
 #define MH_REST(n) \
-    case n: if (n < JR) FN(score_tile)(qt, E, k, k_row, st, n < JR ? n : JR, NV); break;
+    case n: if (n < JR) FN(score_tile)(qt, E, kb, k_row, st, n < JR ? n : JR, NV, DP, scale); break;
     MH_REST(1) MH_REST(2) MH_REST(3) MH_REST(4) MH_REST(5) MH_REST(6) MH_REST(7)
 #undef MH_REST
     default: break;
@@ -519,19 +581,23 @@ MH_INLINE void FN(score_keys)(const T *qt, int64_t E, const T *k, int64_t k_row,
 }
 
 /* st[j][i] = (s q_i) . k_j (s: mh_score_scale) for j < nk keys and the first
-   nvq query vectors.  On a tile that crosses the causal diagonal, each group of query vectors only
-   computes the keys some of its rows can see (mh_keys_needed); the entries it
-   skips are masked to -inf afterwards like their neighbours. */
-static void FN(tile_scores)(const T *qt, int64_t E, const T *k, int64_t k_row, int64_t nk,
-                            int64_t nvq, int64_t row0_visible, T *st)
+   nvq query vectors: s is already in qt, or, with DP, qt holds unscaled words,
+   k is bfloat16 and the scores are multiplied by `scale`.  On a tile that
+   crosses the causal diagonal, each group of query vectors only computes the
+   keys some of its rows can see (mh_keys_needed); the entries it skips are
+   masked to -inf afterwards like their neighbours. */
+MH_INLINE void FN(tile_scores)(const T *qt, int64_t E, const void *k, int64_t k_row,
+                                  int64_t nk, int64_t nvq, int64_t row0_visible, T *st,
+                                  const int DP, T scale)
 {
     int64_t c = 0;
     for (; c + NVQ <= nvq; c += NVQ)
         FN(score_keys)(qt + c * VW, E, k, k_row, mh_keys_needed(row0_visible, (c + NVQ) * VW, nk),
-                       st + c * VW, NVQ);
+                       st + c * VW, NVQ, DP, scale);
     switch (nvq - c) { /* 0 .. NVQ-1 query vectors left */
 #define MH_REST(n) case n: if (n < NVQ) FN(score_keys)(qt + c * VW, E, k, k_row, \
-        mh_keys_needed(row0_visible, (c + n) * VW, nk), st + c * VW, n < NVQ ? n : NVQ); break;
+        mh_keys_needed(row0_visible, (c + n) * VW, nk), st + c * VW, n < NVQ ? n : NVQ, DP, \
+        scale); break;
     MH_REST(1) MH_REST(2) MH_REST(3) MH_REST(4) MH_REST(5) MH_REST(6) MH_REST(7)
 #undef MH_REST
     default: break;
@@ -546,15 +612,31 @@ static int FN(tile_masked_scores)(const mh_attn_args *a, int64_t pair, int64_t q
                                   int64_t nvq, int64_t k0, int64_t nk, FN(work) *w)
 {
     const int64_t E = a->head_dim;
-    const T *k = w->kpack;
-    int64_t k_row = E;
-    if (w->k_direct) {
-        k = (const T *)a->k.base + a->k.off[pair] + k0 * a->k.row;
-        k_row = a->k.row;
+    if (w->dp) { /* bfloat16 key rows in place, or copied when far apart */
+#ifdef V_DPBF16
+        const uint16_t *kh = (const uint16_t *)a->k.base + a->k.off[pair] + k0 * a->k.row;
+        int64_t kh_row = a->k.row;
+        if (kh_row * 2 > MH_DIRECT_ROW_BYTES) {
+            uint16_t *dst = (uint16_t *)w->kpack;
+            for (int64_t j = 0; j < nk; ++j) memcpy(dst + j * E, kh + j * kh_row, 2 * (size_t)E);
+            kh = dst;
+            kh_row = E;
+        }
+        FN(tile_scores)(w->qt, E, kh, kh_row, nk, nvq, mh_row0_visible(a, q0, k0, nk), w->st,
+                        1, (T)mh_score_scale(a));
+#endif
     } else {
-        FN(load_rows)(a, &a->k, &a->k_scale, pair, k0, nk, E, w->kpack, E);
+        const T *k = w->kpack;
+        int64_t k_row = E;
+        if (w->k_direct) {
+            k = (const T *)a->k.base + a->k.off[pair] + k0 * a->k.row;
+            k_row = a->k.row;
+        } else {
+            FN(load_rows)(a, &a->k, &a->k_scale, pair, k0, nk, E, w->kpack, E);
+        }
+        FN(tile_scores)(w->qt, E, k, k_row, nk, nvq, mh_row0_visible(a, q0, k0, nk), w->st, 0,
+                        (T)1);
     }
-    FN(tile_scores)(w->qt, E, k, k_row, nk, nvq, mh_row0_visible(a, q0, k0, nk), w->st);
     /* only blocks that cross the diagonal or the window edge need element
        masking; padding lanes are masked too so every entry is defined */
     if (mh_block_is_cut(a, q0, nq, k0, nk))
@@ -633,12 +715,22 @@ MH_INLINE V FN(fma_visible)(T ps, V p, V x, V acc)
 #endif
 }
 
+/* Value vector c of key jj: from T rows, or (DP) from its half of the pair word. */
+#ifdef V_DPBF16
+#define MH_VALUE(jj, c)                                                              \
+    (DP ? (((jj) & 1) ? VP_HIGH(VP_LOAD((const uint32_t *)v + ((jj) >> 1) * v_row + (c) * VW)) \
+                      : VP_LOW(VP_LOAD((const uint32_t *)v + ((jj) >> 1) * v_row + (c) * VW))) \
+        : V_LOAD(v + (jj) * v_row + (c) * VW))
+#else
+#define MH_VALUE(jj, c) V_LOAD(v + (jj) * v_row + (c) * VW)
+#endif
+
 /* One key of the output tile: o[r][c] += p[j][r] * v[j][c]; with `select`,
    entries marked hidden (p == -0.0) are skipped rather than multiplied. */
 #define MH_MIX_KEY(jj, select)                                                       \
     do {                                                                             \
         V vv_[NVO];                                                                  \
-        for (int c_ = 0; c_ < NV; ++c_) vv_[c_] = V_LOAD(v + (jj) * v_row + c_ * VW); \
+        for (int c_ = 0; c_ < NV; ++c_) vv_[c_] = MH_VALUE(jj, c_);                   \
         for (int r_ = 0; r_ < R; ++r_) {                                             \
             const T ps_ = pt[(jj) * BQ + r_];                                         \
             const V p_ = V_SET1(ps_);                                                \
@@ -648,13 +740,30 @@ MH_INLINE V FN(fma_visible)(T ps, V p, V x, V acc)
         }                                                                            \
     } while (0)
 
+#ifdef V_DPBF16
+/* Keys 2*j2 and 2*j2+1 of the output tile (DP): one vdpbf16ps per row and vector. */
+#define MH_MIX_PAIR(j2)                                                                    \
+    do {                                                                                   \
+        VP vv_[NVO];                                                                       \
+        for (int c_ = 0; c_ < NV; ++c_)                                                    \
+            vv_[c_] = VP_LOAD((const uint32_t *)v + (j2) * v_row + c_ * VW);                \
+        for (int r_ = 0; r_ < R; ++r_) {                                                   \
+            const VP p_ = VP_SET1(pw[(j2) * BQ + r_]);                                      \
+            for (int c_ = 0; c_ < NV; ++c_) o[r_][c_] = V_DPBF16(o[r_][c_], p_, vv_[c_]);   \
+        }                                                                                  \
+    } while (0)
+#endif
+
 /* acc[r] = alpha[r]*acc[r] + sum_j p[j][r] * v[j] for R rows (R <= IR) and NV
    value vectors (NV <= NVO): keys [j1, j2) are visible to every row; keys
    [j0, j1) and [j2, j3) only to some, so they go through the select.  The
-   rescale is skipped when no row's running max moved (alpha == 1). */
-MH_INLINE void FN(output_tile)(T *acc, int64_t evp, const T *alpha, const T *pt, const T *v,
-                               int64_t v_row, int64_t j0, int64_t j1, int64_t j2, int64_t j3,
-                               const int R, const int NV)
+   rescale is skipped when no row's running max moved (alpha == 1).  With DP,
+   v holds pair words (v_row words per pair of keys) and the keys of [j1, j2)
+   go in pairs with the probability words pw. */
+MH_INLINE void FN(output_tile)(T *acc, int64_t evp, const T *alpha, const T *pt,
+                               const uint32_t *pw, const T *v, int64_t v_row, int64_t j0,
+                               int64_t j1, int64_t j2, int64_t j3, const int R, const int NV,
+                               const int DP)
 {
     V o[IR][NVO];
     int moved = 0;
@@ -670,31 +779,68 @@ MH_INLINE void FN(output_tile)(T *acc, int64_t evp, const T *alpha, const T *pt,
     }
     int64_t j = j0;
     for (; j < j1; ++j) MH_MIX_KEY(j, 1);
+#ifdef V_DPBF16
+    if (DP) {
+        if ((j & 1) && j < j2) {
+            MH_MIX_KEY(j, 0);
+            ++j;
+        }
+        for (; j + 2 <= j2; j += 2) MH_MIX_PAIR(j >> 1);
+    }
+#else
+    (void)pw;
+    (void)DP;
+#endif
     for (; j < j2; ++j) MH_MIX_KEY(j, 0);
     for (; j < j3; ++j) MH_MIX_KEY(j, 1);
     for (int r = 0; r < R; ++r)
         for (int c = 0; c < NV; ++c) V_STORE(acc + r * evp + c * VW, o[r][c]);
 }
 #undef MH_MIX_KEY
+#undef MH_VALUE
+#ifdef MH_MIX_PAIR
+#undef MH_MIX_PAIR
+#endif
 
 /* Output tiles of rows [0, nq) for NV value vectors starting at column vector c. */
 MH_INLINE void FN(mix_rows)(const mh_attn_args *a, int64_t q0, int64_t nq, int64_t k0, int64_t nk,
                             int cut, int user_hid, const T *v, int64_t v_row, int64_t c,
-                            FN(work) *w, const int NV)
+                            FN(work) *w, const int NV, const int DP)
 {
     const int64_t evp = w->evp;
     int64_t i = 0, j[4];
+    /* (DP: v holds 32-bit words, as many per pair of keys as T per key otherwise) */
+    v += c * VW;
     for (; i + IR <= nq; i += IR) {
         mh_tile_key_ranges(a, q0, i, IR, k0, nk, cut, user_hid, j);
-        FN(output_tile)(w->acc + i * evp + c * VW, evp, w->alpha + i, w->st + i, v + c * VW,
-                        v_row, j[0], j[1], j[2], j[3], IR, NV);
+        FN(output_tile)(w->acc + i * evp + c * VW, evp, w->alpha + i, w->st + i, w->pt2 + i, v,
+                        v_row, j[0], j[1], j[2], j[3], IR, NV, DP);
     }
     if (i < nq) mh_tile_key_ranges(a, q0, i, nq - i, k0, nk, cut, user_hid, j);
     switch (nq - i) { /* 0 .. IR-1 rows left */
 #define MH_REST(n)                                                                              \
     case n: if (n < IR) FN(output_tile)(w->acc + i * evp + c * VW, evp, w->alpha + i, w->st + i, \
-                                        v + c * VW, v_row, j[0], j[1], j[2], j[3],               \
-                                        n < IR ? n : IR, NV); break;
+                                        w->pt2 + i, v, v_row, j[0], j[1], j[2], j[3],            \
+                                        n < IR ? n : IR, NV, DP); break;
+    MH_REST(1) MH_REST(2) MH_REST(3) MH_REST(4) MH_REST(5) MH_REST(6) MH_REST(7)
+#undef MH_REST
+    default: break;
+    }
+}
+
+/* The value vectors of the block, NVO at a time, for every row tile. */
+MH_INLINE void FN(mix_columns)(const mh_attn_args *a, int64_t q0, int64_t nq, int64_t k0,
+                               int64_t nk, int cut, int user_hid, const T *v, int64_t v_row,
+                               FN(work) *w, const int DP)
+{
+    const int64_t nvv = (a->v_dim + VW - 1) / VW;
+    int64_t c = 0;
+    for (; c + NVO <= nvv; c += NVO)
+        FN(mix_rows)(a, q0, nq, k0, nk, cut, user_hid, v, v_row, c, w, NVO, DP);
+    switch (nvv - c) { /* 0 .. NVO-1 value vectors left */
+#define MH_REST(n)                                                                         \
+    case n: if (n < NVO) FN(mix_rows)(a, q0, nq, k0, nk, cut, user_hid, v, v_row, c, w, \
+                                      n < NVO ? n : NVO, DP); break;
     MH_REST(1) MH_REST(2) MH_REST(3) MH_REST(4) MH_REST(5) MH_REST(6) MH_REST(7)
 #undef MH_REST
     default: break;
@@ -702,30 +848,38 @@ MH_INLINE void FN(mix_rows)(const mh_attn_args *a, int64_t q0, int64_t nq, int64
 }
 
 /* Step 3: acc[i][0 .. nvv*VW) = alpha[i]*acc[i] + P^T[:, i] . v for i < nq,
-   the value block read in place or copied into vpack first; each row tile
+   the value block read in place or copied into vpack first (DP: interleaved
+   into pair words in vpack, and the probabilities into pt2); each row tile
    stops at the last key its rows can see. */
 static void FN(tile_mix)(const mh_attn_args *a, int64_t pair, int64_t q0, int64_t nq,
                          int64_t k0, int64_t nk, int cut, int user_hid, FN(work) *w)
 {
-    const int64_t nvv = (a->v_dim + VW - 1) / VW;
-    const T *v = w->vpack;
-    int64_t v_row = w->evp;
-    if (w->v_direct) {
-        v = (const T *)a->v.base + a->v.off[pair] + k0 * a->v.row;
-        v_row = a->v.row;
+    if (w->dp) {
+#ifdef V_DPBF16
+        const uint16_t *vh = (const uint16_t *)a->v.base + a->v.off[pair] + k0 * a->v.row;
+        const int64_t vr = a->v.row, nvq = (nq + VW - 1) / VW;
+        uint32_t *vw = (uint32_t *)w->vpack;
+        for (int64_t j = 0; j < nk; j += 2) {
+            const int two = j + 1 < nk;
+            VP_INTERLEAVE(vw + (j / 2) * w->evp, vh + j * vr, two ? vh + (j + 1) * vr : NULL,
+                          a->v_dim, w->evp);
+            for (int64_t c = 0; c < nvq; ++c)
+                VP_STORE(w->pt2 + (j / 2) * BQ + c * VW,
+                         VP_PAIR(V_LOAD(w->st + j * BQ + c * VW),
+                                 two ? V_LOAD(w->st + (j + 1) * BQ + c * VW) : V_ZERO()));
+        }
+        FN(mix_columns)(a, q0, nq, k0, nk, cut, user_hid, (const T *)vw, w->evp, w, 1);
+#endif
     } else {
-        FN(load_rows)(a, &a->v, &a->v_scale, pair, k0, nk, a->v_dim, w->vpack, w->evp);
-    }
-    int64_t c = 0;
-    for (; c + NVO <= nvv; c += NVO)
-        FN(mix_rows)(a, q0, nq, k0, nk, cut, user_hid, v, v_row, c, w, NVO);
-    switch (nvv - c) { /* 0 .. NVO-1 value vectors left */
-#define MH_REST(n)                                                                         \
-    case n: if (n < NVO) FN(mix_rows)(a, q0, nq, k0, nk, cut, user_hid, v, v_row, c, w, \
-                                      n < NVO ? n : NVO); break;
-    MH_REST(1) MH_REST(2) MH_REST(3) MH_REST(4) MH_REST(5) MH_REST(6) MH_REST(7)
-#undef MH_REST
-    default: break;
+        const T *v = w->vpack;
+        int64_t v_row = w->evp;
+        if (w->v_direct) {
+            v = (const T *)a->v.base + a->v.off[pair] + k0 * a->v.row;
+            v_row = a->v.row;
+        } else {
+            FN(load_rows)(a, &a->v, &a->v_scale, pair, k0, nk, a->v_dim, w->vpack, w->evp);
+        }
+        FN(mix_columns)(a, q0, nq, k0, nk, cut, user_hid, v, v_row, w, 0);
     }
 }
 
@@ -752,6 +906,29 @@ static void FN(load_qt)(const T *q, int64_t q_row, int64_t nq, int64_t nvq, int6
     }
 }
 
+#ifdef V_DPBF16
+/* DP: qt[d/2][i] = the word (q[i][d], q[i][d+1]) of bfloat16 rows q for
+   i < nq (the 32-bit view of each row, transposed), 0 in the padding lanes up
+   to nvq * VW. */
+static void FN(load_qt_words)(const uint16_t *q, int64_t q_row, int64_t nq, int64_t nvq,
+                              int64_t E, uint32_t *qw)
+{
+    int64_t d0 = 0;
+    for (; d0 + 2 * VW <= E; d0 += 2 * VW)
+        for (int64_t i0 = 0; i0 < nvq * VW; i0 += VW) {
+            V r[VW];
+            for (int l = 0; l < VW; ++l)
+                r[l] = i0 + l < nq ? VP_AS_V(VP_LOAD(q + (i0 + l) * q_row + d0)) : V_ZERO();
+            V_TRANSPOSE(r);
+            for (int l = 0; l < VW; ++l) V_STORE((T *)qw + (d0 / 2 + l) * BQ + i0, r[l]);
+        }
+    for (int64_t d = d0; d < E; d += 2) {
+        for (int64_t i = 0; i < nq; ++i) qw[(d / 2) * BQ + i] = mh_load_word(q + i * q_row + d);
+        for (int64_t i = nq; i < nvq * VW; ++i) qw[(d / 2) * BQ + i] = 0;
+    }
+}
+#endif
+
 /* Tile path over keys [k_lo, k_hi): leaves the unnormalised output in w->acc
    and the running max and sum in w->row_max, w->row_sum. */
 static void FN(attend_tile)(const mh_attn_args *a, int64_t pair, int64_t q0, int64_t nq,
@@ -759,9 +936,25 @@ static void FN(attend_tile)(const mh_attn_args *a, int64_t pair, int64_t q0, int
 {
     const int64_t E = a->head_dim, Ev = a->v_dim, evp = w->evp;
     const int64_t nvq = (nq + VW - 1) / VW, nvv = (Ev + VW - 1) / VW;
-    const T *q = (const T *)a->q.base + a->q.off[pair] + q0 * a->q.row;
+    const int64_t q_start = a->q.off[pair] + q0 * a->q.row;
 
-    FN(load_qt)(q, a->q.row, nq, nvq, E, (T)mh_score_scale(a), w->qt);
+    if (w->dp) {
+#ifdef V_DPBF16
+        FN(load_qt_words)((const uint16_t *)a->q.base + q_start, a->q.row, nq, nvq, E,
+                          (uint32_t *)w->qt);
+#endif
+    } else {
+        const T *q = (const T *)a->q.base + q_start;
+        int64_t q_row = a->q.row;
+        if (a->q_bf16) { /* widened into kpack, free until the first key block */
+            for (int64_t i = 0; i < nq; ++i)
+                FN(bf16_row)(w->kpack + i * w->ep, (const uint16_t *)a->q.base + q_start +
+                             i * a->q.row, E);
+            q = w->kpack;
+            q_row = w->ep;
+        }
+        FN(load_qt)(q, q_row, nq, nvq, E, (T)mh_score_scale(a), w->qt);
+    }
     for (int64_t i = 0; i < BQ; ++i) {
         w->row_max[i] = (T)(-INFINITY);
         w->row_sum[i] = 0;
@@ -1122,9 +1315,14 @@ static void FN(attend_few_rows)(const mh_attn_args *a, int64_t pair, int64_t q0,
     T *qt = w->qt, *acc = w->acc;
     const V vscale = V_SET1(scale);
     for (int64_t i = 0; i < nq; ++i) {
-        const T *q = (const T *)a->q.base + mh_row_offset(a, &a->q, pair, q0, i, L);
+        const int64_t off = mh_row_offset(a, &a->q, pair, q0, i, L);
+        const T *q = (const T *)a->q.base + off;
         T *qi = qt + i * ep;
         int64_t d = 0;
+        if (a->q_bf16) { /* widened in place, then scaled */
+            FN(bf16_row)(qi, (const uint16_t *)a->q.base + off, E);
+            q = qi;
+        }
         for (; d + VW <= E; d += VW) V_STORE(qi + d, V_MUL(V_LOAD(q + d), vscale));
         for (; d < E; ++d) qi[d] = q[d] * scale;
         for (; d < ep; ++d) qi[d] = 0;
@@ -1192,6 +1390,26 @@ static void FN(write_weights)(const mh_attn_args *a, int64_t pair, int64_t q0, i
     }
 }
 
+/* o[0..n) = acc[0..n) * inv in the output's storage: T, or bfloat16 bits
+   (a->out_bf16, float kernels). */
+static inline void FN(store_out)(const mh_attn_args *a, int64_t offset, const T *acc, T inv,
+                                 int64_t n)
+{
+    const V vinv = V_SET1(inv);
+    int64_t d = 0;
+    if (a->out_bf16) {
+        uint16_t *o = (uint16_t *)a->out.base + offset;
+#ifdef V_STORE_BF16
+        for (; d + VW <= n; d += VW) V_STORE_BF16(o + d, V_MUL(V_LOAD(acc + d), vinv));
+#endif
+        for (; d < n; ++d) o[d] = mh_float_to_bf16((float)(acc[d] * inv));
+        return;
+    }
+    T *o = (T *)a->out.base + offset;
+    for (; d + VW <= n; d += VW) V_STORE(o + d, V_MUL(V_LOAD(acc + d), vinv));
+    for (; d < n; ++d) o[d] = acc[d] * inv;
+}
+
 /* mh_block_fn: rows [q0, q0 + BQ) of pair `pair` against every key (with
    grouped query heads: all G * L rows of the kv pair, q0 = 0). */
 void FN(mh_block_item)(const mh_attn_args *a, int64_t pair, int64_t q0, void *scratch)
@@ -1205,13 +1423,9 @@ void FN(mh_block_item)(const mh_attn_args *a, int64_t pair, int64_t q0, void *sc
     /* normalise once; rows that saw no key have row_sum == 0 and give zeros */
     for (int64_t i = 0; i < nq; ++i) {
         const T inv = w.row_sum[i] == 0 ? (T)0 : (T)1 / w.row_sum[i];
-        const V vinv = V_SET1(inv);
-        const T *acc = w.acc + i * w.evp;
-        T *o = (T *)a->out.base + mh_row_offset(a, &a->out, pair, q0, i, nq / G);
-        int64_t d = 0;
         w.row_sum[i] = inv;
-        for (; d + VW <= Ev; d += VW) V_STORE(o + d, V_MUL(V_LOAD(acc + d), vinv));
-        for (; d < Ev; ++d) o[d] = acc[d] * inv;
+        FN(store_out)(a, mh_row_offset(a, &a->out, pair, q0, i, nq / G), w.acc + i * w.evp, inv,
+                      Ev);
     }
     if (a->weights) FN(write_weights)(a, pair, q0, nq, &w);
 }
@@ -1246,7 +1460,6 @@ void FN(mh_merge_item)(const mh_attn_args *a, int64_t pair, void *scratch)
     const T *pl = (const T *)a->split.row_sum + pair * ns * L;
     T *acc = (T *)scratch;
     for (int64_t i = 0; i < L; ++i) {
-        T *out = (T *)a->out.base + mh_row_offset(a, &a->out, pair, 0, i, a->q_len);
         T m = (T)(-INFINITY);
         int has_nan = 0;
         for (int64_t s = 0; s < ns; ++s) {
@@ -1262,8 +1475,8 @@ void FN(mh_merge_item)(const mh_attn_args *a, int64_t pair, void *scratch)
             sum += pl[s * L + i] * f;
             for (int64_t d = 0; d < Ev; ++d) acc[d] += pacc[(s * L + i) * Ev + d] * f;
         }
-        const T inv = sum == 0 ? (T)0 : (T)1 / sum;
-        for (int64_t d = 0; d < Ev; ++d) out[d] = acc[d] * inv;
+        FN(store_out)(a, mh_row_offset(a, &a->out, pair, 0, i, a->q_len), acc,
+                      sum == 0 ? (T)0 : (T)1 / sum, Ev);
     }
 }
 

@@ -120,6 +120,22 @@ static inline void mh_transpose_f64_avx2(__m256d r[4])
     _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(p))), 16))
 #define V_LOAD_I8(p) _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p))))
 #define V_LOAD_U4(p) mh_load_u4_avx2((const uint8_t *)(p))
+#define V_STORE_BF16(p, x) _mm_storeu_si128((__m128i *)(p), mh_to_bf16_avx2(x))
+
+/* x rounded to bfloat16 bits (nearest even; NaN: the high half with the quiet
+   bit set), as mh_float_to_bf16 does lane by lane. */
+static inline __m128i mh_to_bf16_avx2(__m256 x)
+{
+    const __m256i u = _mm256_castps_si256(x), hi = _mm256_srli_epi32(u, 16);
+    const __m256i bias = _mm256_add_epi32(_mm256_set1_epi32(0x7fff),
+                                          _mm256_and_si256(hi, _mm256_set1_epi32(1)));
+    const __m256i r = _mm256_blendv_epi8(_mm256_srli_epi32(_mm256_add_epi32(u, bias), 16),
+                                         _mm256_or_si256(hi, _mm256_set1_epi32(0x40)),
+                                         _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q)));
+    /* 32-bit lanes to 16 bits (values < 2^16: no saturation), both halves together */
+    const __m256i p = _mm256_packus_epi32(r, r);
+    return _mm256_castsi256_si128(_mm256_permute4x64_epi64(p, 0x08));
+}
 #define S_HALF_TO_FLOAT(h) _cvtsh_ss(h)
 #define S4_HALF_TO_FLOAT(dst, src) \
     _mm_storeu_ps((dst), _mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)(src))))

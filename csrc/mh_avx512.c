@@ -2,13 +2,26 @@
  * AVX-512F instantiation of the attention kernels (float32 and float64).
  * This file is compiled with AVX-512 enabled; nothing in it runs unless the
  * dispatcher (mh_dispatch.c) has checked that the CPU and OS support it.
+ *
+ * mh_avx512bf16.c compiles it a second time with MH_AVX512_DPBF16 defined
+ * (and AVX512-BW and AVX512-BF16 enabled): the same kernels under the suffix
+ * _avx512bf16, plus the bfloat16 pair-dot tile path (V_DPBF16 below).
  */
 #include "mh_kernels.h"
 
 #if defined(__x86_64__) || defined(_M_X64)
 #include <immintrin.h>
 #include <math.h>
+#include <string.h>
 #include "mh_exp.h"
+
+#ifdef MH_AVX512_DPBF16
+#define MH_SFX(x) x##_avx512bf16
+#define MH_PATH_NAME "avx512bf16"
+#else
+#define MH_SFX(x) x##_avx512
+#define MH_PATH_NAME "avx512"
+#endif
 
 /* out[0..4) = the lane sums of a, b, c, d: adjacent lanes of pairs first,
    within 128-bit lanes (every lane then holds a partial sum of a, b, c, d),
@@ -99,7 +112,7 @@ static inline void mh_transpose_f64_avx512(__m512d r[8])
 #define JR 6
 #define NVO 4
 #define IR 6
-#define FN(x) x##_f32_avx512
+#define FN(x) MH_SFX(x##_f32)
 #define V_ZERO() _mm512_setzero_ps()
 #define V_SET1(x) _mm512_set1_ps(x)
 #define V_LOAD(p) _mm512_loadu_ps(p)
@@ -118,6 +131,7 @@ static inline void mh_transpose_f64_avx512(__m512d r[8])
     _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(p))), 16))
 #define V_LOAD_I8(p) _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p))))
 #define V_LOAD_U4(p) mh_load_u4_avx512((const uint8_t *)(p))
+#define V_STORE_BF16(p, x) _mm256_storeu_si256((__m256i *)(p), mh_to_bf16_avx512(x))
 #define S_HALF_TO_FLOAT(h) _cvtsh_ss(h)
 #define S4_HALF_TO_FLOAT(dst, src) \
     _mm_storeu_ps((dst), _mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)(src))))
@@ -131,6 +145,20 @@ static inline void mh_transpose_f64_avx512(__m512d r[8])
 #define VM __mmask16
 #define V_VISIBLE(p) _mm512_cmpge_epi32_mask(_mm512_castps_si512(p), _mm512_setzero_si512())
 #define V_FMA_VISIBLE(a, b, c, m) _mm512_mask3_fmadd_ps((a), (b), (c), (m))
+
+/* x rounded to bfloat16 bits (nearest even; NaN: the high half with the quiet
+   bit set), as mh_float_to_bf16 does lane by lane.  (vcvtneps2bf16 would treat
+   float32 subnormals as 0.) */
+static inline __m256i mh_to_bf16_avx512(__m512 x)
+{
+    const __m512i u = _mm512_castps_si512(x), hi = _mm512_srli_epi32(u, 16);
+    const __m512i bias = _mm512_add_epi32(_mm512_set1_epi32(0x7fff),
+                                          _mm512_and_si512(hi, _mm512_set1_epi32(1)));
+    const __m512i r = _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q),
+                                              _mm512_srli_epi32(_mm512_add_epi32(u, bias), 16),
+                                              _mm512_or_si512(hi, _mm512_set1_epi32(0x40)));
+    return _mm512_cvtepi32_epi16(r);
+}
 
 /* 16 four-bit values from 8 bytes (low nibble first) as floats. */
 static inline __m512 mh_load_u4_avx512(const uint8_t *p)
@@ -178,6 +206,52 @@ static inline __m512 mh_exp2_f32_avx512(__m512 x)
 }
 #define V_EXP2(x) mh_exp2_f32_avx512(x)
 
+#ifdef MH_AVX512_DPBF16
+/* bfloat16 pairs: a VP holds 16 32-bit words, each two bfloat16 numbers (low
+   half first).  V_DPBF16(acc, a, b): acc[l] += a.lo[l]*b.lo[l] + a.hi[l]*b.hi[l]
+   (vdpbf16ps: the products are exact in float32, the sums round to nearest;
+   bfloat16 subnormals count as 0). */
+#define VP __m512i
+#define VP_LOAD(p) _mm512_loadu_si512((const void *)(p))
+#define VP_STORE(p, x) _mm512_storeu_si512((void *)(p), (x))
+#define VP_SET1(w) _mm512_set1_epi32((int)(w))
+#define V_DPBF16(acc, a, b) _mm512_dpbf16_ps((acc), (__m512bh)(a), (__m512bh)(b))
+/* the low / high numbers of each pair, widened to float */
+#define VP_LOW(x) _mm512_castsi512_ps(_mm512_slli_epi32((x), 16))
+#define VP_HIGH(x) _mm512_castsi512_ps(_mm512_and_si512((x), _mm512_set1_epi32((int)0xffff0000u)))
+#define VP_AS_V(x) _mm512_castsi512_ps(x)
+#define VP_PAIR(lo, hi) mh_pair_bf16_avx512((lo), (hi))
+#define VP_INTERLEAVE(dst, r0, r1, n, nw) mh_interleave_bf16_avx512((dst), (r0), (r1), (n), (nw))
+
+/* word l = (bf16(lo[l]), bf16(hi[l])), rounded to nearest even. */
+static inline __m512i mh_pair_bf16_avx512(__m512 lo, __m512 hi)
+{
+    const __m512i idx = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9,
+                                         24, 8, 23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1,
+                                         16, 0);
+    return _mm512_permutexvar_epi16(idx, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+}
+
+/* dst[e] = (r0[e], r1[e]) as bfloat16 words for e < n (r1 NULL: 0), 0 for
+   n <= e < nw (nw a multiple of 16). */
+static inline void mh_interleave_bf16_avx512(uint32_t *dst, const uint16_t *r0,
+                                             const uint16_t *r1, int64_t n, int64_t nw)
+{
+    const __m512i lo = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9,
+                                        40, 8, 39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1,
+                                        32, 0);
+    const __m512i hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
+    for (int64_t e = 0; e < nw; e += 32) {
+        const int64_t m = n - e <= 0 ? 0 : (n - e >= 32 ? 32 : n - e);
+        const __mmask32 k = m == 32 ? 0xffffffffu : (__mmask32)((1u << m) - 1u);
+        const __m512i a = _mm512_maskz_loadu_epi16(k, r0 + e);
+        const __m512i b = r1 ? _mm512_maskz_loadu_epi16(k, r1 + e) : _mm512_setzero_si512();
+        _mm512_storeu_si512((void *)(dst + e), _mm512_permutex2var_epi16(a, lo, b));
+        if (e + 16 < nw) _mm512_storeu_si512((void *)(dst + e + 16), _mm512_permutex2var_epi16(a, hi, b));
+    }
+}
+#endif
+
 #include "mh_attention_impl.h"
 #include "mh_linear_impl.h"
 #include "mh_isa_end.h"
@@ -192,7 +266,7 @@ static inline __m512 mh_exp2_f32_avx512(__m512 x)
 #define JR 6
 #define NVO 4
 #define IR 6
-#define FN(x) x##_f64_avx512
+#define FN(x) MH_SFX(x##_f64)
 #define V_ZERO() _mm512_setzero_pd()
 #define V_SET1(x) _mm512_set1_pd(x)
 #define V_LOAD(p) _mm512_loadu_pd(p)
@@ -249,9 +323,9 @@ static inline __m512d mh_exp2_f64_avx512(__m512d x)
 #include "mh_linear_impl.h"
 #include "mh_isa_end.h"
 
-const mh_kernel_table mh_table_avx512 = {
-    "avx512", mh_block_item_f32_avx512, mh_block_item_f64_avx512, mh_split_item_f32_avx512,
-    mh_split_item_f64_avx512, mh_merge_item_f32_avx512, mh_merge_item_f64_avx512,
-    mh_linear_rows_item_f32_avx512, mh_linear_rows_item_f64_avx512,
-    mh_exp_array_f32_avx512, mh_exp_array_f64_avx512};
+const mh_kernel_table MH_SFX(mh_table) = {
+    MH_PATH_NAME, MH_SFX(mh_block_item_f32), MH_SFX(mh_block_item_f64), MH_SFX(mh_split_item_f32),
+    MH_SFX(mh_split_item_f64), MH_SFX(mh_merge_item_f32), MH_SFX(mh_merge_item_f64),
+    MH_SFX(mh_linear_rows_item_f32), MH_SFX(mh_linear_rows_item_f64),
+    MH_SFX(mh_exp_array_f32), MH_SFX(mh_exp_array_f64)};
 #endif

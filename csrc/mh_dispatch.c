@@ -11,6 +11,8 @@ extern const mh_kernel_table mh_table_baseline;
 #define MH_X86 1
 extern const mh_kernel_table mh_table_avx2;
 extern const mh_kernel_table mh_table_avx512;
+extern const mh_kernel_table mh_table_avx512bf16;
+extern const int mh_avx512bf16_built; /* 0 if the compiler had no AVX512-BF16 */
 #if defined(_MSC_VER)
 #include <intrin.h>
 #else
@@ -35,7 +37,8 @@ mh_scratch_layout mh_scratch_plan(int64_t head_dim, int64_t v_dim)
     s.row_max = s.vpack + (int64_t)MH_BLOCK_K * s.evp;
     s.row_sum = s.row_max + MH_BLOCK_Q;
     s.alpha = s.row_sum + MH_BLOCK_Q;
-    s.elems = s.alpha + MH_BLOCK_Q;
+    s.pt2 = s.alpha + MH_BLOCK_Q;
+    s.elems = s.pt2 + (int64_t)MH_BLOCK_K / 2 * MH_BLOCK_Q;
     return s;
 }
 
@@ -51,8 +54,10 @@ void *mh_scratch_align(void *raw)
     return (void *)((p + MH_SCRATCH_ALIGN - 1) / MH_SCRATCH_ALIGN * MH_SCRATCH_ALIGN);
 }
 
-static const char *const mh_isa_names[MH_ISA_COUNT] = {"baseline", "avx2", "avx512"};
-static const int mh_isa_preference[MH_ISA_COUNT] = {MH_ISA_AVX512, MH_ISA_AVX2, MH_ISA_BASELINE};
+static const char *const mh_isa_names[MH_ISA_COUNT] = {"baseline", "avx2", "avx512",
+                                                       "avx512bf16"};
+static const int mh_isa_preference[MH_ISA_COUNT] = {MH_ISA_AVX512BF16, MH_ISA_AVX512, MH_ISA_AVX2,
+                                                    MH_ISA_BASELINE};
 
 const char *mh_isa_name(int isa)
 {
@@ -91,7 +96,7 @@ static unsigned long long mh_xgetbv0(void)
 
 mh_cpu_features mh_cpu_detect(void)
 {
-    mh_cpu_features f = {0, 0, 0, 0, 0, 0, 0};
+    mh_cpu_features f = {0, 0, 0, 0, 0, 0, 0, 0, 0};
 #ifdef MH_X86
     unsigned r[4];
     mh_cpuid(0, 0, r);
@@ -108,6 +113,11 @@ mh_cpu_features mh_cpu_detect(void)
     mh_cpuid(7, 0, r);
     f.avx2 = (r[1] >> 5) & 1;
     f.avx512f = (r[1] >> 16) & 1;
+    f.avx512bw = (r[1] >> 30) & 1;
+    if (r[0] >= 1) { /* subleaf 1: EAX bit 5 is AVX512_BF16 */
+        mh_cpuid(7, 1, r);
+        f.avx512bf16 = (r[0] >> 5) & 1;
+    }
 #endif
     return f;
 }
@@ -120,6 +130,7 @@ int mh_cpu_supports(int isa)
     case MH_ISA_BASELINE: return 1;
     case MH_ISA_AVX2: return avx2;
     case MH_ISA_AVX512: return avx2 && f.os_zmm && f.avx512f;
+    case MH_ISA_AVX512BF16: return avx2 && f.os_zmm && f.avx512f && f.avx512bw && f.avx512bf16;
     default: return 0;
     }
 }
@@ -127,6 +138,7 @@ int mh_cpu_supports(int isa)
 int mh_isa_compiled(int isa)
 {
 #ifdef MH_X86
+    if (isa == MH_ISA_AVX512BF16) return mh_avx512bf16_built;
     return isa >= 0 && isa < MH_ISA_COUNT;
 #else
     return isa == MH_ISA_BASELINE;
@@ -140,6 +152,7 @@ const mh_kernel_table *mh_kernels(int isa)
 #ifdef MH_X86
     case MH_ISA_AVX2: return &mh_table_avx2;
     case MH_ISA_AVX512: return &mh_table_avx512;
+    case MH_ISA_AVX512BF16: return mh_avx512bf16_built ? &mh_table_avx512bf16 : 0;
 #endif
     default: return 0;
     }

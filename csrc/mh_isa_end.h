@@ -35,6 +35,9 @@
 #ifdef V_LOAD_BF16
 #undef V_LOAD_BF16
 #endif
+#ifdef V_STORE_BF16
+#undef V_STORE_BF16
+#endif
 #ifdef V_LOAD_I8
 #undef V_LOAD_I8
 #endif
@@ -48,3 +51,15 @@
 #undef S4_HALF_TO_FLOAT
 #endif
 #undef MH_HALF_TO_FLOAT
+#ifdef V_DPBF16
+#undef V_DPBF16
+#undef VP
+#undef VP_LOAD
+#undef VP_STORE
+#undef VP_SET1
+#undef VP_LOW
+#undef VP_HIGH
+#undef VP_AS_V
+#undef VP_PAIR
+#undef VP_INTERLEAVE
+#endif

@@ -64,7 +64,8 @@ enum mh_kv_format { MH_KV_NATIVE = 0, MH_KV_F16 = 1, MH_KV_BF16 = 2, MH_KV_I8 = 
 #define MH_I4_GROUP 32
 
 /* Kernel paths, in no particular order; mh_isa_by_preference() ranks them. */
-enum mh_isa { MH_ISA_BASELINE = 0, MH_ISA_AVX2 = 1, MH_ISA_AVX512 = 2, MH_ISA_COUNT = 3 };
+enum mh_isa { MH_ISA_BASELINE = 0, MH_ISA_AVX2 = 1, MH_ISA_AVX512 = 2, MH_ISA_AVX512BF16 = 3,
+              MH_ISA_COUNT = 4 };
 
 /* One operand: see "Layout" above. */
 typedef struct mh_operand {
@@ -100,9 +101,14 @@ typedef struct mh_attn_args {
     int64_t v_dim;    /* Ev: value/output width */
 
     mh_operand q;     /* (pairs, L, E)  kernel float type */
+    /* float kernels: 1 if q holds bfloat16 bits (widened as they are read);
+       with bfloat16 keys and values too, the avx512bf16 path takes q . k as
+       bfloat16 pair dot products (vdpbf16ps), which round nothing on the way in */
+    int q_bf16;
     mh_operand k;     /* (pairs, S, E)  kv_format */
     mh_operand v;     /* (pairs, S, Ev) kv_format */
     mh_operand out;   /* (pairs, L, Ev) kernel float type, written */
+    int out_bf16;     /* float kernels: out holds bfloat16 bits, rounded to nearest even */
     int kv_format;    /* enum mh_kv_format */
     mh_operand k_scale, v_scale; /* I8 / I4 only: per row (see mh_kv_format) */
 
@@ -199,10 +205,11 @@ typedef struct mh_kernel_table {
      kpack   [BK][ep]   key block copied contiguous
      vpack   [BK][evp]  value block copied contiguous, zero padded
      row_max, row_sum, alpha   [BQ]
+     pt2     [BK/2][BQ] probabilities as bfloat16 pairs of keys (avx512bf16 path)
    ep = E and evp = Ev rounded up to 16. */
 typedef struct mh_scratch_layout {
     int64_t ep, evp;
-    int64_t qt, st, acc, kpack, vpack, row_max, row_sum, alpha;
+    int64_t qt, st, acc, kpack, vpack, row_max, row_sum, alpha, pt2;
     int64_t elems; /* total */
 } mh_scratch_layout;
 
@@ -220,11 +227,12 @@ typedef struct mh_cpu_features {
     unsigned avx : 1, fma : 1, f16c : 1, avx2 : 1, avx512f : 1;
     unsigned os_ymm : 1; /* the OS saves YMM state */
     unsigned os_zmm : 1; /* ... and opmask and ZMM state */
+    unsigned avx512bw : 1, avx512bf16 : 1;
 } mh_cpu_features;
 
 mh_cpu_features mh_cpu_detect(void);
 
-/* Name of `isa` ("baseline", "avx2", "avx512"), NULL when out of range. */
+/* Name of `isa` ("baseline", "avx2", "avx512", "avx512bf16"), NULL when out of range. */
 const char *mh_isa_name(int isa);
 
 /* The isa of preference rank `rank` (0 = best), -1 when out of range. */
@@ -273,6 +281,15 @@ static inline float mh_bf16_to_float(uint16_t b)
     union { uint32_t u; float f; } r;
     r.u = (uint32_t)b << 16;
     return r.f;
+}
+
+/* float -> bfloat16 bits, rounded to nearest even; NaN stays a (quiet) NaN. */
+static inline uint16_t mh_float_to_bf16(float f)
+{
+    union { float f; uint32_t u; } x;
+    x.f = f;
+    if ((x.u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((x.u >> 16) | 0x40u);
+    return (uint16_t)((x.u + 0x7fffu + ((x.u >> 16) & 1u)) >> 16);
 }
 
 #ifdef __cplusplus
