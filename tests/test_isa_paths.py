@@ -50,7 +50,7 @@ def test_unknown_or_unsupported_path_is_a_clear_error():
 
 
 def test_default_path_is_the_best_runnable_one():
-    best = next(n for n in ("avx512", "avx2", "baseline") if n in RUNNABLE)
-    assert _config.isa_names() == ("avx512", "avx2", "baseline")
+    best = next(n for n in ("avx512bf16", "avx512", "avx2", "baseline") if n in RUNNABLE)
+    assert _config.isa_names() == ("avx512bf16", "avx512", "avx2", "baseline")
     if not os.environ.get("MANYHEADS_ISA"):
         assert mh.kernel_isa() == best

@@ -31,7 +31,7 @@ POSITIONS = [0, 1, 3, 5, 6, 7, 8, 12, 31, 47, 62, 63, 64, 65, 66, 70, 71, 100, 1
 def bits(a):
     """The array's bytes as unsigned integers, so that -0.0 != 0.0 and NaN == NaN."""
     a = np.ascontiguousarray(a)
-    return a.view(np.uint64 if a.dtype == np.float64 else np.uint32)
+    return a.view(f"u{a.itemsize}")
 
 
 def assert_bit_identical(got, want, what):
@@ -78,6 +78,32 @@ def test_causal_rows_before_a_poisoned_key_are_bit_identical(rng, dtype, operand
             check_attending_rows(out, q, k2, v2, rows, what, is_causal=True)
             if operand == "value" and not np.isnan(bad):
                 assert not np.isfinite(out[..., j:, col]).any(), what
+
+
+@pytest.mark.parametrize("operand", ["key", "value"])
+@pytest.mark.parametrize("window", [None, 70])
+def test_bfloat16_rows_that_cannot_see_a_poisoned_key_are_bit_identical(rng, operand, window):
+    # bfloat16 inputs: on a CPU with AVX512-BF16 the pair-dot path, which multiplies two
+    # keys (and two values) at once
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    T, E = 200, 64
+    q, k, v = (normal(rng, (1, 2, T, E), np.float32).astype(ml_dtypes.bfloat16) for _ in range(3))
+    kw = dict(scale=E ** -0.5, num_threads=2, causal_offset=0, window=window)
+    clean = _core.attention(q, k, v, **kw)
+    i = np.arange(T)
+    for j in POSITIONS:
+        for bad in BAD:
+            k2 = poisoned(k, j, j % E, bad) if operand == "key" else k
+            v2 = poisoned(v, j, j % E, bad) if operand == "value" else v
+            out = _core.attention(q, k2, v2, **kw)
+            what = f"{operand}[{j}] = {bad}, window {window}"
+            sees = (i >= j) & (i < j + (window or T))
+            assert_bit_identical(out[..., ~sees, :], clean[..., ~sees, :], what)
+            with np.errstate(all="ignore"):
+                ref = oracle.scaled_dot_product_attention(
+                    *(a.astype(np.float64) for a in (q, k2, v2)), is_causal=True, window=window)
+            np.testing.assert_array_equal(~np.isfinite(out[..., sees, :].astype(np.float32)),
+                                          ~np.isfinite(ref[..., sees, :]), err_msg=what)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
