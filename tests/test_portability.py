@@ -33,18 +33,23 @@ def disassembly():
 @pytest.mark.skipif(not X86_ELF or shutil.which("objdump") is None,
                     reason="needs objdump and an x86-64 ELF build")
 def test_vex_and_evex_instructions_only_in_dispatched_functions():
-    offenders = {}
+    offenders, pair_dots = {}, set()
     seen_isa_funcs = set()
     for func, mnemonic, _ in disassembly():
         # every AVX/AVX2/AVX-512 instruction is VEX/EVEX encoded: its mnemonic starts with v
         if mnemonic.startswith("v") and mnemonic not in ("verr", "verw"):
-            if func.endswith(("_avx2", "_avx512")):
+            if func.endswith(("_avx2", "_avx512", "_avx512bf16")):
                 seen_isa_funcs.add(func)
             else:
                 offenders.setdefault(func, mnemonic)
+        if mnemonic == "vdpbf16ps":
+            pair_dots.add(func)
     assert not offenders, f"AVX instructions outside the dispatched paths: {offenders}"
     assert any(f.endswith("_avx512") for f in seen_isa_funcs)
     assert any(f.endswith("_avx2") for f in seen_isa_funcs)
+    # AVX512-BF16 only where the dispatcher checked for it (and there, when built)
+    assert all(f.endswith("_avx512bf16") for f in pair_dots), pair_dots
+    assert bool(pair_dots) == _kernels.isa_compiled("avx512bf16")
 
 
 @pytest.mark.skipif(not AARCH64_ELF or shutil.which("objdump") is None,

@@ -498,7 +498,7 @@ def half_prefill_case(threads: int, T: int = 2048) -> dict[str, Any]:
                                      is_causal=True, num_threads=threads)
     res = compare(fns, rounds=5, per_round=2)
     return {"T": T, **{f"{n}_ms": 1e3 * t for n, t in res.items()},
-            "avx512_bf16": _cpu_flag("avx512_bf16")}
+            "avx512_bf16": _cpu_flag("avx512_bf16"), "path": mh.kernel_isa()}
 
 
 def _cpu_flag(flag: str) -> bool | None:
@@ -1252,11 +1252,18 @@ def _low_precision_lines(r: dict[str, Any]) -> list[str]:
     lines += ["", f"Half-precision prefill (causal, T={h['T']}, 12 heads of 64): float32 "
               f"{h['float32_ms']:.2f} ms; " + "; ".join(
                   f"{f} {h[f + '_ms']:.2f} ms ({h['float32_ms'] / h[f + '_ms']:.2f}× float32)"
-                  for f in halves) + " (widened to float32 as loaded; "
-              + {True: "this CPU has AVX512-BF16; the kernels do not use it yet",
-                 False: "this CPU has no AVX512-BF16",
-                 None: "AVX512-BF16 unknown"}[h.get("avx512_bf16")] + ")."]
+                  for f in halves) + " (" + _half_prefill_how(h) + ")."]
     return lines
+
+
+def _half_prefill_how(h: dict[str, Any]) -> str:
+    """How the half-precision prefill row was computed, for its line."""
+    if h.get("path") == "avx512bf16":
+        return ("float16 widened to float32 as it loads; bfloat16 multiplied in pairs by "
+                "AVX512-BF16's vdpbf16ps, the avx512bf16 path")
+    return "widened to float32 as they load; " + {
+        True: f"this CPU has AVX512-BF16, but the {h.get('path')} path ran",
+        False: "this CPU has no AVX512-BF16", None: "AVX512-BF16 unknown"}[h.get("avx512_bf16")]
 
 
 #: the rows of the inference tables: (key in the results, label)

@@ -1,7 +1,7 @@
 """Process-wide settings: the kernel path (ISA) and the thread count.
 
 The kernel path is chosen once, at import, from the CPU's features; the
-environment variable ``MANYHEADS_ISA=baseline|avx2|avx512`` forces one.
+environment variable ``MANYHEADS_ISA=baseline|avx2|avx512|avx512bf16`` forces one.
 """
 from __future__ import annotations
 
@@ -61,7 +61,8 @@ def _init() -> None:
 
 
 def kernel_isa() -> str:
-    """Name of the kernel path in use: ``"baseline"``, ``"avx2"`` or ``"avx512"``."""
+    """Name of the kernel path in use: ``"baseline"``, ``"avx2"``, ``"avx512"`` or
+    ``"avx512bf16"`` (AVX-512 plus AVX512-BF16's pair products for bfloat16 inputs)."""
     return str(_state["isa"])
 
 
