@@ -69,7 +69,7 @@ class AttentionCall:
     def __init__(self, float64: bool, n_pairs: int, q_len: int, kv_len: int, head_dim: int,
                  v_dim: int, group: int = ...) -> None:
         """``group`` > 1: pairs are kv pairs, each serving ``group`` query heads at once."""
-    def set_query(self, q: _FloatArray, n_batch: int, bf16_values: bool = ...) -> None:
+    def set_query(self, q: npt.NDArray[Any], n_batch: int, bf16: bool = ...) -> None:
         """Queries (.., L, E); the first ``n_batch`` axes enumerate the pairs."""
 
     def set_keys_values(self, k: npt.NDArray[Any], v: npt.NDArray[Any], n_batch: int,

@@ -492,13 +492,13 @@ cdef class AttentionCall:
         op.col = strides[nd - 1] // view.itemsize
         return 0
 
-    def set_query(self, cnp.ndarray q, int n_batch, bint bf16_values=False):
-        """Queries (.., L, E) in the call's float type (with grouped heads the batch
-        axes end with (kv heads, group)).  ``bf16_values``: every value is a bfloat16
-        number (widened), so with bfloat16 keys and values the avx512bf16 path may
-        take the dot products in bfloat16 pairs."""
+    def set_query(self, cnp.ndarray q, int n_batch, bint bf16=False):
+        """Queries (.., L, E) in the call's float type, or (``bf16``, float32 calls)
+        bfloat16 bits (uint16) widened as they are read; with bfloat16 keys and
+        values too, the avx512bf16 path takes the dot products in bfloat16 pairs.
+        With grouped heads the batch axes end with (kv heads, group)."""
         self._operand(&self.a.q, 0, q, n_batch)
-        self.a.q_bf16 = bf16_values
+        self.a.q_bf16 = bf16
 
     def set_keys_values(self, cnp.ndarray k, cnp.ndarray v, int n_batch, str fmt="native",
                         cnp.ndarray k_scale=None, cnp.ndarray v_scale=None):
