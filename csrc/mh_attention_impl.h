@@ -1082,12 +1082,19 @@ MH_INLINE void FN(few_rows_dots_r)(const T *qp, int64_t ep, FN(kv_rows) k, int64
             }
             if (c < nvk) MH_DOTS4_STEP(c);
 #undef MH_DOTS4_STEP
-            for (int r = 0; r < R; ++r) V_HSUM4(a0[r], a1[r], a2[r], a3[r], s + r * BK + j);
-            if (fmt == MH_KV_I8)
-                for (int u = 0; u < 4; ++u) {
-                    const T ks = (T)mh_row_scale(fmt, k.scale, k.scale_bytes, j + u);
-                    for (int r = 0; r < R; ++r) s[r * BK + j + u] *= ks;
+            if (fmt == MH_KV_I8) { /* the row scales go on before the lane sums: a store
+                                      of the sums and a reload to scale them would wait
+                                      on store forwarding */
+                const char *sc = k.scale;
+                const int64_t sb = k.scale_bytes;
+                for (int r = 0; r < R; ++r) {
+                    a0[r] = V_MUL(a0[r], V_SET1((T)mh_row_scale(fmt, sc, sb, j)));
+                    a1[r] = V_MUL(a1[r], V_SET1((T)mh_row_scale(fmt, sc, sb, j + 1)));
+                    a2[r] = V_MUL(a2[r], V_SET1((T)mh_row_scale(fmt, sc, sb, j + 2)));
+                    a3[r] = V_MUL(a3[r], V_SET1((T)mh_row_scale(fmt, sc, sb, j + 3)));
                 }
+            }
+            for (int r = 0; r < R; ++r) V_HSUM4(a0[r], a1[r], a2[r], a3[r], s + r * BK + j);
         }
     }
     for (; j < nk; ++j) {
@@ -1101,12 +1108,14 @@ MH_INLINE void FN(few_rows_dots_r)(const T *qp, int64_t ep, FN(kv_rows) k, int64
             const V kc = FN(kv_vec)(kr, c * VW, fmt, pairs[0]);
             for (int r = 0; r < R; ++r) acc[r] = V_FMA(V_LOAD(qp + r * ep + c * VW), kc, acc[r]);
         }
+        if (fmt == MH_KV_I8) /* as the 4-key loop: the scale before the lane sums */
+            for (int r = 0; r < R; ++r) acc[r] = V_MUL(acc[r], V_SET1(ks));
         if (R >= 3) {
             T sums[4];
             V_HSUM4(acc[0], acc[1], acc[2], R == 4 ? acc[3] : V_ZERO(), sums);
-            for (int r = 0; r < R; ++r) s[r * BK + j] = sums[r] * ks;
+            for (int r = 0; r < R; ++r) s[r * BK + j] = sums[r];
         } else {
-            for (int r = 0; r < R; ++r) s[r * BK + j] = V_HSUM(acc[r]) * ks;
+            for (int r = 0; r < R; ++r) s[r * BK + j] = V_HSUM(acc[r]);
         }
     }
 }
