@@ -22,6 +22,7 @@
  *   V_LOAD_BF16(p)  optional: VW bfloat16 values widened to V (float paths)
  *   V_STORE_BF16(p, v)  optional: v rounded to VW bfloat16 values (nearest even,
  *                NaN stays NaN) stored at p (float paths)
+ *   V_STORE_HALF(p, v)  optional: the same to VW IEEE half values
  *   V_LOAD_I8(p)    optional: VW int8 values converted to V (float paths)
  *   V_LOAD_U4(p)    optional: VW 4-bit values from VW/2 bytes (low nibble first) to V
  *   S_HALF_TO_FLOAT(h)  optional: one float16 (bits) to float in an instruction
@@ -255,6 +256,15 @@ static inline void FN(bf16_row)(T *dst, const uint16_t *src, int64_t n)
     for (; c < n; ++c) dst[c] = (T)mh_bf16_to_float(src[c]);
 }
 
+/* dst[0..n) = 16-bit src[0..n) of format fmt (MH_KV_F16 or MH_KV_BF16) widened. */
+static inline void FN(half_or_bf16_row)(int fmt, T *dst, const uint16_t *src, int64_t n)
+{
+    if (fmt == MH_KV_F16)
+        FN(half_row)(dst, src, n);
+    else
+        FN(bf16_row)(dst, src, n);
+}
+
 /* dst[0..n) = int8 src[0..n) * scale. */
 static inline void FN(i8_row)(T *dst, const int8_t *src, int64_t n, float scale)
 {
@@ -352,7 +362,8 @@ static FN(work) FN(carve)(const mh_attn_args *a, int64_t nq, void *scratch)
     w.v_direct = a->kv_format == MH_KV_NATIVE && a->v_dim % VW == 0 &&
                  a->v.row * (int64_t)sizeof(T) <= MH_DIRECT_ROW_BYTES;
 #ifdef V_DPBF16
-    w.dp = !w.few_rows && a->kv_format == MH_KV_BF16 && a->q_bf16 && a->head_dim % 2 == 0;
+    w.dp = !w.few_rows && a->kv_format == MH_KV_BF16 && a->q_format == MH_KV_BF16 &&
+           a->head_dim % 2 == 0;
 #else
     w.dp = 0;
 #endif
@@ -946,10 +957,10 @@ static void FN(attend_tile)(const mh_attn_args *a, int64_t pair, int64_t q0, int
     } else {
         const T *q = (const T *)a->q.base + q_start;
         int64_t q_row = a->q.row;
-        if (a->q_bf16) { /* widened into kpack, free until the first key block */
+        if (a->q_format != MH_KV_NATIVE) { /* widened into kpack, free until the first key block */
             for (int64_t i = 0; i < nq; ++i)
-                FN(bf16_row)(w->kpack + i * w->ep, (const uint16_t *)a->q.base + q_start +
-                             i * a->q.row, E);
+                FN(half_or_bf16_row)(a->q_format, w->kpack + i * w->ep,
+                                     (const uint16_t *)a->q.base + q_start + i * a->q.row, E);
             q = w->kpack;
             q_row = w->ep;
         }
@@ -1328,8 +1339,8 @@ static void FN(attend_few_rows)(const mh_attn_args *a, int64_t pair, int64_t q0,
         const T *q = (const T *)a->q.base + off;
         T *qi = qt + i * ep;
         int64_t d = 0;
-        if (a->q_bf16) { /* widened in place, then scaled */
-            FN(bf16_row)(qi, (const uint16_t *)a->q.base + off, E);
+        if (a->q_format != MH_KV_NATIVE) { /* widened in place, then scaled */
+            FN(half_or_bf16_row)(a->q_format, qi, (const uint16_t *)a->q.base + off, E);
             q = qi;
         }
         for (; d + VW <= E; d += VW) V_STORE(qi + d, V_MUL(V_LOAD(q + d), vscale));
@@ -1399,19 +1410,27 @@ static void FN(write_weights)(const mh_attn_args *a, int64_t pair, int64_t q0, i
     }
 }
 
-/* o[0..n) = acc[0..n) * inv in the output's storage: T, or bfloat16 bits
-   (a->out_bf16, float kernels). */
+/* o[0..n) = acc[0..n) * inv in the output's storage: T, or float16 or bfloat16
+   bits (a->out_format, float kernels). */
 static inline void FN(store_out)(const mh_attn_args *a, int64_t offset, const T *acc, T inv,
                                  int64_t n)
 {
     const V vinv = V_SET1(inv);
     int64_t d = 0;
-    if (a->out_bf16) {
+    if (a->out_format == MH_KV_BF16) {
         uint16_t *o = (uint16_t *)a->out.base + offset;
 #ifdef V_STORE_BF16
         for (; d + VW <= n; d += VW) V_STORE_BF16(o + d, V_MUL(V_LOAD(acc + d), vinv));
 #endif
         for (; d < n; ++d) o[d] = mh_float_to_bf16((float)(acc[d] * inv));
+        return;
+    }
+    if (a->out_format == MH_KV_F16) {
+        uint16_t *o = (uint16_t *)a->out.base + offset;
+#ifdef V_STORE_HALF
+        for (; d + VW <= n; d += VW) V_STORE_HALF(o + d, V_MUL(V_LOAD(acc + d), vinv));
+#endif
+        for (; d < n; ++d) o[d] = mh_float_to_half((float)(acc[d] * inv));
         return;
     }
     T *o = (T *)a->out.base + offset;

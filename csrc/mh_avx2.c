@@ -121,6 +121,8 @@ static inline void mh_transpose_f64_avx2(__m256d r[4])
 #define V_LOAD_I8(p) _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p))))
 #define V_LOAD_U4(p) mh_load_u4_avx2((const uint8_t *)(p))
 #define V_STORE_BF16(p, x) _mm_storeu_si128((__m128i *)(p), mh_to_bf16_avx2(x))
+#define V_STORE_HALF(p, x) \
+    _mm_storeu_si128((__m128i *)(p), _mm256_cvtps_ph((x), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC))
 
 /* x rounded to bfloat16 bits (nearest even; NaN: the high half with the quiet
    bit set), as mh_float_to_bf16 does lane by lane. */

@@ -132,6 +132,8 @@ static inline void mh_transpose_f64_avx512(__m512d r[8])
 #define V_LOAD_I8(p) _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p))))
 #define V_LOAD_U4(p) mh_load_u4_avx512((const uint8_t *)(p))
 #define V_STORE_BF16(p, x) _mm256_storeu_si256((__m256i *)(p), mh_to_bf16_avx512(x))
+#define V_STORE_HALF(p, x) \
+    _mm256_storeu_si256((__m256i *)(p), _mm512_cvtps_ph((x), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC))
 #define S_HALF_TO_FLOAT(h) _cvtsh_ss(h)
 #define S4_HALF_TO_FLOAT(dst, src) \
     _mm_storeu_ps((dst), _mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)(src))))

@@ -38,6 +38,9 @@
 #ifdef V_STORE_BF16
 #undef V_STORE_BF16
 #endif
+#ifdef V_STORE_HALF
+#undef V_STORE_HALF
+#endif
 #ifdef V_LOAD_I8
 #undef V_LOAD_I8
 #endif

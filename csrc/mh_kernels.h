@@ -101,14 +101,16 @@ typedef struct mh_attn_args {
     int64_t v_dim;    /* Ev: value/output width */
 
     mh_operand q;     /* (pairs, L, E)  kernel float type */
-    /* float kernels: 1 if q holds bfloat16 bits (widened as they are read);
-       with bfloat16 keys and values too, the avx512bf16 path takes q . k as
-       bfloat16 pair dot products (vdpbf16ps), which round nothing on the way in */
-    int q_bf16;
+    /* float kernels: MH_KV_NATIVE, or MH_KV_F16 / MH_KV_BF16 when q holds 16-bit
+       bits (widened as they are read); with bfloat16 keys and values too, the
+       avx512bf16 path takes q . k as bfloat16 pair dot products (vdpbf16ps),
+       which round nothing on the way in */
+    int q_format;
     mh_operand k;     /* (pairs, S, E)  kv_format */
     mh_operand v;     /* (pairs, S, Ev) kv_format */
     mh_operand out;   /* (pairs, L, Ev) kernel float type, written */
-    int out_bf16;     /* float kernels: out holds bfloat16 bits, rounded to nearest even */
+    int out_format;   /* float kernels: MH_KV_NATIVE, or MH_KV_F16 / MH_KV_BF16 bits,
+                         rounded to nearest even as they are written */
     int kv_format;    /* enum mh_kv_format */
     mh_operand k_scale, v_scale; /* I8 / I4 only: per row (see mh_kv_format) */
 
@@ -281,6 +283,29 @@ static inline float mh_bf16_to_float(uint16_t b)
     union { uint32_t u; float f; } r;
     r.u = (uint32_t)b << 16;
     return r.f;
+}
+
+/* float -> IEEE half bits, rounded to nearest even (overflow to infinity,
+   subnormals kept); NaN stays a (quiet) NaN. */
+static inline uint16_t mh_float_to_half(float f)
+{
+    union { float f; uint32_t u; } x;
+    x.f = f;
+    const uint32_t sign = (x.u >> 16) & 0x8000u, a = x.u & 0x7fffffffu;
+    if (a > 0x7f800000u) return (uint16_t)(sign | 0x7e00u | ((a >> 13) & 0x3ffu));
+    if (a >= 0x477ff000u) return (uint16_t)(sign | 0x7c00u); /* rounds to 65520 or more */
+    if (a >= 0x38800000u) {                                  /* 2^-14 or more: normal */
+        const uint32_t h = a - 0x38000000u;                  /* exponent rebiased */
+        return (uint16_t)(sign | ((h + 0x0fffu + ((h >> 13) & 1u)) >> 13));
+    }
+    if (a < 0x33000000u) return (uint16_t)sign; /* 2^-25 or less: 0 (2^-25 ties to even) */
+    {                                           /* subnormal: m * 2^-24 */
+        const uint32_t shift = 126u - (a >> 23), m = (a & 0x7fffffu) | 0x800000u;
+        const uint32_t rem = m & ((1u << shift) - 1u), half = 1u << (shift - 1u);
+        uint32_t h = m >> shift;
+        if (rem > half || (rem == half && (h & 1u))) ++h;
+        return (uint16_t)(sign | h);
+    }
 }
 
 /* float -> bfloat16 bits, rounded to nearest even; NaN stays a (quiet) NaN. */

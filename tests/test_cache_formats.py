@@ -57,20 +57,25 @@ def test_half_inputs_match_the_oracle_on_the_same_rounded_inputs(rng, dtype, L, 
     assert within_one_ulp(out, ref, p_rounding(dtype, q, k, v, is_causal=causal))
 
 
+@pytest.mark.parametrize("dtype", HALVES)
 @pytest.mark.parametrize("L,S", [(70, 70), (1, 700)])
-def test_bfloat16_results_are_the_float32_results_rounded_to_nearest_even(rng, L, S):
-    # the kernels round bfloat16 results as they write them (tile and split-key paths);
-    # E odd keeps every path on float32 products, so the float32 result is the same call's
-    bf16 = ml_dtypes.bfloat16
+def test_half_results_are_the_float32_results_rounded_to_nearest_even(rng, dtype, L, S):
+    # the kernels round half results as they write them (tile and split-key paths, vector
+    # columns and the scalar last one); E odd keeps every path on float32 products, so the
+    # float32 result is the same call's with the queries widened first
     E = 33
-    q = normal(rng, (1, 3, L, E)).astype(bf16)
-    k, v = (normal(rng, (1, 3, S, E)).astype(bf16) for _ in range(2))
-    v[..., 0] *= 1e-39  # results in the subnormal range
+    q = normal(rng, (1, 3, L, E)).astype(dtype)
+    k = normal(rng, (1, 3, S, E)).astype(dtype)
+    v = normal(rng, (1, 3, S, E))
+    tiny = 1e-39 if dtype == ml_dtypes.bfloat16 else 1e-6
+    v[..., 0] *= tiny  # results in the subnormal range
+    v[..., -1] *= 2.0 ** rng.integers(-30, 12, size=S)  # many magnitudes, subnormal to large
+    v = v.astype(dtype)
     v[0, 1, S // 2, 3] = np.nan
     kw = dict(scale=E ** -0.5, num_threads=2, causal_offset=S - L)
     got = _core.attention(q, k, v, **kw)
-    want = _core.attention(q.astype(np.float32), k, v, **kw).astype(bf16)
-    assert got.dtype == np.dtype(bf16)
+    want = _core.attention(q.astype(np.float32), k, v, **kw).astype(dtype)
+    assert got.dtype == np.dtype(dtype)
     nan = np.isnan(want.astype(np.float32))
     np.testing.assert_array_equal(np.isnan(got.astype(np.float32)), nan)
     assert nan.any() and np.array_equal(got.view(np.uint16)[~nan], want.view(np.uint16)[~nan])

@@ -85,6 +85,8 @@ def _pair_views(q: np.ndarray, kvs: tuple[np.ndarray, ...], enable_gqa: bool
 
 _STORAGE_BY_DTYPE = {"float16": "float16", "bfloat16": "bfloat16", "int8": "int8",
                      "uint8": "int4"}
+# queries and outputs the float32 kernels read and write as 16-bit bits
+_HALF_FORMAT = {"float16": "float16", "bfloat16": "bfloat16"}
 
 
 def _decode_group(q: np.ndarray, k: np.ndarray, mask: np.ndarray | None,
@@ -163,15 +165,16 @@ def attention(
     (with per-row float32 ``k_scale``/``v_scale`` (.., S, 1)) or int4 (uint8
     bytes (.., S, E/2), with float16 (scale, min) pairs per group of 32
     channels (.., S, 2 * E/32)); see ``KVCache``.  q, k and v may also all be
-    ``ml_dtypes.bfloat16``: the kernels then compute in float32 (the avx512bf16
-    path with bfloat16 pair dot products), read q as it is and round the output
-    to bfloat16 as they write it; weights come back float32.  ``split`` forces (True) or forbids
+    float16 or ``ml_dtypes.bfloat16``: the kernels then compute in float32 (the
+    avx512bf16 path with bfloat16 pair dot products for bfloat16), read q as it
+    is and round the output to q's type as they write it; weights come back
+    float32.  ``split`` forces (True) or forbids
     (False) the split-key schedule; by default it serves a few query rows
     against many keys.  Returns the output, or ``(output, weights)`` with
     ``return_weights``.
     """
-    q_bf16 = dtype_name(q.dtype) == "bfloat16"  # read as bits; float32 inside
-    compute = np.dtype(np.float32) if q_bf16 else q.dtype
+    q_fmt = _HALF_FORMAT.get(dtype_name(q.dtype), "native")  # 16-bit q: float32 inside
+    compute = np.dtype(np.float32) if q_fmt != "native" else q.dtype
     fmt = "native" if k.dtype == compute else storage_format(k)
     L, E = q.shape[-2:]
     S, Ev = v.shape[-2], v.shape[-1] * (2 if fmt == "int4" else 1)
@@ -212,18 +215,18 @@ def attention(
 
     if out is None:
         out = np.empty(heads_batch + (L, Ev), dtype=q.dtype)
-    out_bf16 = out.dtype != compute  # bfloat16 bits from a float32 call
+    out_fmt = _HALF_FORMAT.get(dtype_name(out.dtype), "native")  # 16-bit out: rounded
     weights = np.zeros(batch + (L, S), dtype=compute) if return_weights else None
     n_pairs = math.prod(batch) if group == 1 else math.prod(batch[:-1])
     if n_pairs and L and (S == 0 or Ev == 0):
         out[...] = 0
     if n_pairs and L and S and Ev:
         call = _kernels.AttentionCall(compute == np.float64, n_pairs, L, S, E, Ev, group)
-        call.set_query(qv.view(np.uint16) if q_bf16 else qv, nb, q_bf16)
+        call.set_query(qv.view(np.uint16) if q_fmt != "native" else qv, nb, q_fmt)
         scales = kv_views[2:] if len(kv_views) == 4 else (None, None)
         call.set_keys_values(kv_views[0], kv_views[1], n_kv_batch, fmt, scales[0], scales[1])
-        ov = out.view(np.uint16) if out_bf16 else out
-        call.set_output(ov if group == 1 else _split_axis(ov, -3, group), nb, out_bf16)
+        ov = out.view(np.uint16) if out_fmt != "native" else out
+        call.set_output(ov if group == 1 else _split_axis(ov, -3, group), nb, out_fmt)
         if mv is not None:
             call.set_mask(mv, n_kv_batch if group > 1 else nb)
         if causal_offset is not None:

@@ -69,7 +69,7 @@ class AttentionCall:
     def __init__(self, float64: bool, n_pairs: int, q_len: int, kv_len: int, head_dim: int,
                  v_dim: int, group: int = ...) -> None:
         """``group`` > 1: pairs are kv pairs, each serving ``group`` query heads at once."""
-    def set_query(self, q: npt.NDArray[Any], n_batch: int, bf16: bool = ...) -> None:
+    def set_query(self, q: npt.NDArray[Any], n_batch: int, fmt: str = ...) -> None:
         """Queries (.., L, E); the first ``n_batch`` axes enumerate the pairs."""
 
     def set_keys_values(self, k: npt.NDArray[Any], v: npt.NDArray[Any], n_batch: int,
@@ -77,7 +77,7 @@ class AttentionCall:
                         v_scale: npt.NDArray[np.float32] | None = ...) -> None:
         """Keys and values stored as ``fmt`` (a KV_FORMATS name), with int8/int4 scales."""
 
-    def set_output(self, out: npt.NDArray[Any], n_batch: int, bf16: bool = ...) -> None: ...
+    def set_output(self, out: npt.NDArray[Any], n_batch: int, fmt: str = ...) -> None: ...
     def set_mask(self, mask: npt.NDArray[Any], n_batch: int) -> None:
         """A bool (True = may attend) or additive float mask (.., L, S); strides may be 0."""
 

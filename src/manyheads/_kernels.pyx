@@ -54,7 +54,7 @@ cdef extern from "mh_kernels.h" nogil:
     ctypedef struct mh_attn_args:
         int64_t n_pairs, q_len, kv_len, head_dim, v_dim
         mh_operand q, k, v, out, mask
-        int q_bf16, out_bf16
+        int q_format, out_format
         int kv_format
         mh_operand k_scale, v_scale
         int mask_kind
@@ -492,13 +492,14 @@ cdef class AttentionCall:
         op.col = strides[nd - 1] // view.itemsize
         return 0
 
-    def set_query(self, cnp.ndarray q, int n_batch, bint bf16=False):
-        """Queries (.., L, E) in the call's float type, or (``bf16``, float32 calls)
-        bfloat16 bits (uint16) widened as they are read; with bfloat16 keys and
-        values too, the avx512bf16 path takes the dot products in bfloat16 pairs.
-        With grouped heads the batch axes end with (kv heads, group)."""
+    def set_query(self, cnp.ndarray q, int n_batch, str fmt="native"):
+        """Queries (.., L, E) in the call's float type, or (``fmt`` "float16" or
+        "bfloat16", float32 calls) 16-bit bits (uint16) widened as they are read;
+        with bfloat16 keys and values too, the avx512bf16 path takes the dot
+        products in bfloat16 pairs.  With grouped heads the batch axes end with
+        (kv heads, group)."""
         self._operand(&self.a.q, 0, q, n_batch)
-        self.a.q_bf16 = bf16
+        self.a.q_format = KV_FORMATS[fmt]
 
     def set_keys_values(self, cnp.ndarray k, cnp.ndarray v, int n_batch, str fmt="native",
                         cnp.ndarray k_scale=None, cnp.ndarray v_scale=None):
@@ -513,11 +514,12 @@ cdef class AttentionCall:
             self._operand(&self.a.k_scale, 5, k_scale, n_batch)
             self._operand(&self.a.v_scale, 6, v_scale, n_batch)
 
-    def set_output(self, cnp.ndarray out, int n_batch, bint bf16=False):
-        """Output (.., L, Ev) in the call's float type, or (``bf16``, float32 calls)
-        as bfloat16 bits (uint16) rounded to nearest even, written by the kernels."""
+    def set_output(self, cnp.ndarray out, int n_batch, str fmt="native"):
+        """Output (.., L, Ev) in the call's float type, or (``fmt`` "float16" or
+        "bfloat16", float32 calls) as 16-bit bits (uint16) rounded to nearest even,
+        written by the kernels."""
         self._operand(&self.a.out, 3, out, n_batch)
-        self.a.out_bf16 = bf16
+        self.a.out_format = KV_FORMATS[fmt]
 
     def set_mask(self, cnp.ndarray mask, int n_batch):
         """Mask (.., L, S): bool (True = may attend) or the call's float type (added);

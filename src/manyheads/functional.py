@@ -155,21 +155,16 @@ def scaled_dot_product_attention(
     compute = np.dtype(np.float32) if half is not None else q.dtype
     mask = None if attn_mask is None else _check_mask(attn_mask, compute)
     rw = check_bool(return_weights, "return_weights")
-    # half precision: keys and values are read in place and widened by the kernels;
-    # bfloat16 queries too, and the kernels round the float32 result to bfloat16 as
-    # they write it; float16 queries (one row per output row) are widened here and
-    # the result rounded back here
-    widen = half is not None and half.name != "bfloat16"
-    res = _core.attention(q.astype(np.float32) if widen else q, k, v, mask=mask,
+    # half precision: queries, keys and values are read in place and widened by the
+    # kernels, which round the float32 result to the input type as they write it
+    res = _core.attention(q, k, v, mask=mask,
                           causal_offset=0 if causal else None,
                           scale=1.0 / math.sqrt(q.shape[-1]) if s is None else s, dropout_p=p,
                           seed=seed_value(seed) if p > 0 else 0, enable_gqa=gqa,
                           return_weights=rw, num_threads=nt)
-    if half is None:
-        return res
-    if rw:
-        return res[0].astype(half, copy=False), res[1].astype(half)
-    return res.astype(half, copy=False)
+    if half is not None and rw:
+        return res[0], res[1].astype(half)
+    return res
 
 
 def linear(x: Any, weight: Any, bias: Any = None, *, num_threads: int | None = None
