@@ -129,7 +129,8 @@ class BuildExt(build_ext):
         if not msvc:
             self._drop_host_tuning()
         base = ["/O2"] if msvc else ["-O3", "-std=c99", "-fno-strict-aliasing"]
-        isa_flags = {"mh_baseline.c": [], "mh_dispatch.c": [], "mh_linear.c": []}
+        isa_flags = {"mh_baseline.c": [], "mh_dispatch.c": [], "mh_linear.c": [],
+                     "mh_quantize.c": []}
         if _is_x86_target():
             if msvc:
                 isa_flags["mh_avx2.c"] = ["/arch:AVX2"]

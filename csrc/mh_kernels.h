@@ -224,6 +224,13 @@ size_t mh_scratch_stride(int64_t head_dim, int64_t v_dim, size_t elem_size);
 /* `raw` rounded up to MH_SCRATCH_ALIGN; allocate MH_SCRATCH_ALIGN extra bytes. */
 void *mh_scratch_align(void *raw);
 
+/* Quantise `rows` rows of n float32 values into the KV cache's storage formats
+   (mh_kv_format; n a multiple of MH_I4_GROUP for int4): int8 values and one
+   scale per row; int4 bytes and (scale, min) float16 pairs per group.  A row
+   (int4: a group) holding NaN or inf gets NaN scales. */
+void mh_quantize_i8(const float *x, int64_t rows, int64_t n, int8_t *q, float *scale);
+void mh_quantize_i4(const float *x, int64_t rows, int64_t n, uint8_t *q, uint16_t *pairs);
+
 /* CPU features that decide the kernel path (all zero off x86). */
 typedef struct mh_cpu_features {
     unsigned avx : 1, fma : 1, f16c : 1, avx2 : 1, avx512f : 1;

@@ -120,6 +120,45 @@ def test_other_dtypes_are_rejected_naming_the_supported_ones():
                                         x.astype(np.float32))
 
 
+def reference_quantize(x, fmt):
+    """The int8 / int4 storage formats in NumPy (the C quantiser must store these bits)."""
+    x = np.asarray(x, dtype=np.float32)
+    with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
+        if fmt == "int8":
+            scale = np.max(np.abs(x), axis=-1, keepdims=True) / np.float32(127)
+            safe = np.where(scale > 0, scale, np.float32(1))
+            q = np.clip(np.rint(x / safe), -127, 127)
+            q = np.where(np.isfinite(q), q, 0).astype(np.int8)
+            return q, np.where(np.isfinite(scale), scale, np.float32(np.nan)).astype(np.float32)
+        groups = x.reshape(x.shape[:-1] + (x.shape[-1] // 32, 32))
+        lo = groups.min(axis=-1)
+        step = (groups.max(axis=-1) - lo) / np.float32(15)
+        safe = np.where(step > 0, step, np.float32(1))
+        q = np.clip(np.rint((groups - lo[..., None]) / safe[..., None]), 0, 15)
+        q = np.where(np.isfinite(q), q, 0).astype(np.uint8).reshape(x.shape)
+        bad = ~np.isfinite(step) | ~np.isfinite(lo)
+        scales = np.stack([np.where(bad, np.nan, step), np.where(bad, np.nan, lo)], axis=-1)
+        return (q[..., 0::2] | (q[..., 1::2] << 4)).astype(np.uint8), \
+            scales.reshape(x.shape[:-1] + (-1,)).astype(np.float16)
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_the_quantiser_stores_the_reference_bits(rng, fmt):
+    x = normal(rng, (3, 5, 7, 64)) * 2.0 ** rng.integers(-20, 20, size=(3, 5, 7, 1))
+    x[0, 0, 0] = 0                                   # zero scale
+    x[0, 0, 1, :32] = 1.5                            # zero step (int4), one value
+    x[0, 0, 2] = np.round(x[0, 0, 2] * 4) / 4        # ties in rint
+    x[0, 1, 0, 5] = np.nan
+    x[0, 1, 1, 40] = np.inf
+    x[0, 1, 2, 7] = -np.inf
+    x[1, 0, 0] = 6e4 * np.sign(x[1, 0, 0])           # a float16 step past its range
+    got, want = quantize(x, fmt), reference_quantize(x, fmt)
+    assert got[0].dtype == want[0].dtype and got[1].dtype == want[1].dtype
+    np.testing.assert_array_equal(got[0], want[0])
+    bits = "u4" if fmt == "int8" else "u2"
+    np.testing.assert_array_equal(got[1].view(bits), want[1].view(bits))
+
+
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_quantize_round_trip_within_the_format_resolution(rng, fmt):
     x = normal(rng, (3, 2, 50, 64), np.float32)

@@ -9,7 +9,7 @@ work items over an OpenMP thread team with the GIL released.  Nothing here
 validates: ``manyheads._core`` has checked everything before it builds a call.
 """
 from cython.parallel cimport parallel, prange, threadid
-from libc.stdint cimport int64_t, uint64_t, uintptr_t
+from libc.stdint cimport int8_t, int64_t, uint8_t, uint16_t, uint64_t, uintptr_t
 from libc.stdlib cimport free, malloc
 
 cimport numpy as cnp
@@ -122,6 +122,10 @@ cdef extern from "mh_kernels.h" nogil:
     int mh_cpu_supports(int isa)
     int mh_isa_compiled(int isa)
     const mh_kernel_table *mh_kernels(int isa)
+    void mh_quantize_i8(const float *x, int64_t rows, int64_t n, int8_t *q, float *scale)
+    void mh_quantize_i4(const float *x, int64_t rows, int64_t n, uint8_t *q, uint16_t *pairs)
+    enum:
+        MH_I4_GROUP
 
 cdef extern from "mh_runtime.h" nogil:
     int mh_openmp_enabled()
@@ -203,6 +207,26 @@ def vector_exp(x):
     else:
         raise TypeError("x must be float32 or float64")
     return y
+
+
+def quantize_rows(cnp.ndarray x, str fmt):
+    """(stored values, scales) of a C-contiguous float32 array (rows, D) in the KV
+    cache's "int8" (int8 values, float32 scales (rows, 1)) or "int4" format (uint8
+    bytes (rows, D/2), float16 (scale, min) pairs (rows, 2 * D/32)); see cache.quantize."""
+    cdef int64_t rows = x.shape[0], n = x.shape[1]
+    cdef const float *src = <const float *>cnp.PyArray_DATA(x)
+    cdef cnp.ndarray q, s
+    if fmt == "int8":
+        q = np.empty((rows, n), np.int8)
+        s = np.empty((rows, 1), np.float32)
+        with nogil:
+            mh_quantize_i8(src, rows, n, <int8_t *>cnp.PyArray_DATA(q), <float *>cnp.PyArray_DATA(s))
+        return q, s
+    q = np.empty((rows, n // 2), np.uint8)
+    s = np.empty((rows, 2 * (n // MH_I4_GROUP)), np.float16)
+    with nogil:
+        mh_quantize_i4(src, rows, n, <uint8_t *>cnp.PyArray_DATA(q), <uint16_t *>cnp.PyArray_DATA(s))
+    return q, s
 
 
 def openmp_enabled():

@@ -86,24 +86,12 @@ def quantize(x: np.ndarray, fmt: str) -> tuple[np.ndarray, np.ndarray | None]:
         return x.astype(fmt), None
     if fmt == "bfloat16":
         return x.astype(_bfloat16()), None
-    x = np.asarray(x, dtype=np.float32)
-    with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
-        if fmt == "int8":
-            scale = np.max(np.abs(x), axis=-1, keepdims=True) / np.float32(127)
-            safe = np.where(scale > 0, scale, np.float32(1))
-            q = np.clip(np.rint(x / safe), -127, 127)
-            q = np.where(np.isfinite(q), q, 0).astype(np.int8)
-            return q, np.where(np.isfinite(scale), scale, np.float32(np.nan)).astype(np.float32)
-        groups = x.reshape(x.shape[:-1] + (x.shape[-1] // I4_GROUP, I4_GROUP))
-        lo = groups.min(axis=-1)
-        step = (groups.max(axis=-1) - lo) / np.float32(15)
-        safe = np.where(step > 0, step, np.float32(1))
-        q = np.clip(np.rint((groups - lo[..., None]) / safe[..., None]), 0, 15)
-        q = np.where(np.isfinite(q), q, 0).astype(np.uint8).reshape(x.shape)
-        bad = ~np.isfinite(step) | ~np.isfinite(lo)
-        scales = np.stack([np.where(bad, np.nan, step), np.where(bad, np.nan, lo)], axis=-1)
-        return (q[..., 0::2] | (q[..., 1::2] << 4)).astype(np.uint8), \
-            scales.reshape(x.shape[:-1] + (-1,)).astype(np.float16)
+    # int8: scale = max|x| / 127, q = rint(x / scale) clipped to +-127; int4 per group:
+    # step = (max - min) / 15, q = rint((x - min) / step) clipped to [0, 15]; a zero
+    # scale or step divides by 1 (written in C, once per appended row)
+    rows = np.ascontiguousarray(x, dtype=np.float32).reshape(-1, x.shape[-1])
+    q, scales = _kernels.quantize_rows(rows, fmt)
+    return q.reshape(x.shape[:-1] + q.shape[-1:]), scales.reshape(x.shape[:-1] + scales.shape[-1:])
 
 
 def dequantize(q: np.ndarray, scales: np.ndarray | None, fmt: str) -> np.ndarray:
