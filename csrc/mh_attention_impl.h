@@ -43,8 +43,9 @@
  *                  whole vectors.
  *
  * Scores are kept in log2 units: the query is pre-scaled by scale * log2(e)
- * (an additive mask is scaled by log2(e) as it is added), so the softmax
- * uses 2^x, cheaper than e^x; row_max and the split-key partial maxima are
+ * (the bfloat16 pair path scales the finished scores instead; an additive
+ * mask is scaled by log2(e) as it is added), so the softmax uses 2^x, cheaper
+ * than e^x; row_max and the split-key partial maxima are
  * in the same units.
  *
  * Scratch: see mh_scratch_layout in mh_kernels.h.

@@ -212,7 +212,7 @@ static inline __m512 mh_exp2_f32_avx512(__m512 x)
 /* bfloat16 pairs: a VP holds 16 32-bit words, each two bfloat16 numbers (low
    half first).  V_DPBF16(acc, a, b): acc[l] += a.lo[l]*b.lo[l] + a.hi[l]*b.hi[l]
    (vdpbf16ps: the products are exact in float32, the sums round to nearest;
-   bfloat16 subnormals count as 0). */
+   bfloat16 subnormals count as 0, float32 subnormal sums become 0). */
 #define VP __m512i
 #define VP_LOAD(p) _mm512_loadu_si512((const void *)(p))
 #define VP_STORE(p, x) _mm512_storeu_si512((void *)(p), (x))

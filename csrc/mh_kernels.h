@@ -201,11 +201,14 @@ typedef struct mh_kernel_table {
    kernel's float type from a MH_SCRATCH_ALIGN-aligned base (every part is a
    multiple of 16 elements, so every part is aligned too):
      qt      [E][BQ]    query block, transposed, times scale
-                        (few-rows path: [rows][ep] row-major)
+                        (few-rows path: [rows][ep] row-major; bfloat16 pair
+                        path: [E/2][BQ] words of the unscaled queries)
      st      [BK][BQ]   one tile of scores, key-major, then its probabilities
      acc     [BQ][evp]  output accumulator
-     kpack   [BK][ep]   key block copied contiguous
+     kpack   [BK][ep]   key block copied contiguous (tile path: first the
+                        item's 16-bit query rows, widened)
      vpack   [BK][evp]  value block copied contiguous, zero padded
+                        (bfloat16 pair path: [BK/2][evp] words)
      row_max, row_sum, alpha   [BQ]
      pt2     [BK/2][BQ] probabilities as bfloat16 pairs of keys (avx512bf16 path)
    ep = E and evp = Ev rounded up to 16. */
@@ -305,7 +308,7 @@ static inline uint16_t mh_float_to_half(float f)
         const uint32_t h = a - 0x38000000u;                  /* exponent rebiased */
         return (uint16_t)(sign | ((h + 0x0fffu + ((h >> 13) & 1u)) >> 13));
     }
-    if (a < 0x33000000u) return (uint16_t)sign; /* 2^-25 or less: 0 (2^-25 ties to even) */
+    if (a < 0x33000000u) return (uint16_t)sign; /* below 2^-25: 0 (2^-25 itself ties to 0 below) */
     {                                           /* subnormal: m * 2^-24 */
         const uint32_t shift = 126u - (a >> 23), m = (a & 0x7fffffu) | 0x800000u;
         const uint32_t rem = m & ((1u << shift) - 1u), half = 1u << (shift - 1u);

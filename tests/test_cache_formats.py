@@ -159,6 +159,13 @@ def test_the_quantiser_stores_the_reference_bits(rng, fmt):
     np.testing.assert_array_equal(got[1].view(bits), want[1].view(bits))
 
 
+def test_the_quantiser_rejects_what_its_formats_cannot_hold():
+    with pytest.raises(ValueError, match="multiple of 32 values, not 48"):
+        quantize(np.ones((2, 48), np.float32), "int4")
+    with pytest.raises(ValueError, match="not 'int2'"):
+        quantize(np.ones((2, 64), np.float32), "int2")
+
+
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_quantize_round_trip_within_the_format_resolution(rng, fmt):
     x = normal(rng, (3, 2, 50, 64), np.float32)

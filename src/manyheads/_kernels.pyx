@@ -220,12 +220,14 @@ def quantize_rows(cnp.ndarray x, str fmt):
         q = np.empty((rows, n), np.int8)
         s = np.empty((rows, 1), np.float32)
         with nogil:
-            mh_quantize_i8(src, rows, n, <int8_t *>cnp.PyArray_DATA(q), <float *>cnp.PyArray_DATA(s))
+            mh_quantize_i8(src, rows, n, <int8_t *>cnp.PyArray_DATA(q),
+                           <float *>cnp.PyArray_DATA(s))
         return q, s
     q = np.empty((rows, n // 2), np.uint8)
     s = np.empty((rows, 2 * (n // MH_I4_GROUP)), np.float16)
     with nogil:
-        mh_quantize_i4(src, rows, n, <uint8_t *>cnp.PyArray_DATA(q), <uint16_t *>cnp.PyArray_DATA(s))
+        mh_quantize_i4(src, rows, n, <uint8_t *>cnp.PyArray_DATA(q),
+                       <uint16_t *>cnp.PyArray_DATA(s))
     return q, s
 
 

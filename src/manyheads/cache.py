@@ -89,6 +89,11 @@ def quantize(x: np.ndarray, fmt: str) -> tuple[np.ndarray, np.ndarray | None]:
     # int8: scale = max|x| / 127, q = rint(x / scale) clipped to +-127; int4 per group:
     # step = (max - min) / 15, q = rint((x - min) / step) clipped to [0, 15]; a zero
     # scale or step divides by 1 (written in C, once per appended row)
+    if fmt not in ("int8", "int4"):
+        raise ValueError("fmt must be float32, float64, float16, bfloat16, int8 or int4, "
+                         f"not {fmt!r}")
+    if fmt == "int4" and x.shape[-1] % I4_GROUP:
+        raise ValueError(f"int4 rows must hold a multiple of {I4_GROUP} values, not {x.shape[-1]}")
     rows = np.ascontiguousarray(x, dtype=np.float32).reshape(-1, x.shape[-1])
     q, scales = _kernels.quantize_rows(rows, fmt)
     return q.reshape(x.shape[:-1] + q.shape[-1:]), scales.reshape(x.shape[:-1] + scales.shape[-1:])
