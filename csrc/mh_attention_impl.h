@@ -1418,20 +1418,22 @@ static inline void FN(store_out)(const mh_attn_args *a, int64_t offset, const T 
 {
     const V vinv = V_SET1(inv);
     int64_t d = 0;
-    if (a->out_format == MH_KV_BF16) {
+    if (a->out_format != MH_KV_NATIVE) { /* MH_KV_F16 or MH_KV_BF16 */
+        const int bf16 = a->out_format == MH_KV_BF16;
         uint16_t *o = (uint16_t *)a->out.base + offset;
-#ifdef V_STORE_BF16
-        for (; d + VW <= n; d += VW) V_STORE_BF16(o + d, V_MUL(V_LOAD(acc + d), vinv));
+#if defined(V_STORE_BF16) && defined(V_STORE_HALF)
+        for (; d + VW <= n; d += VW) {
+            const V x = V_MUL(V_LOAD(acc + d), vinv);
+            if (bf16)
+                V_STORE_BF16(o + d, x);
+            else
+                V_STORE_HALF(o + d, x);
+        }
 #endif
-        for (; d < n; ++d) o[d] = mh_float_to_bf16((float)(acc[d] * inv));
-        return;
-    }
-    if (a->out_format == MH_KV_F16) {
-        uint16_t *o = (uint16_t *)a->out.base + offset;
-#ifdef V_STORE_HALF
-        for (; d + VW <= n; d += VW) V_STORE_HALF(o + d, V_MUL(V_LOAD(acc + d), vinv));
-#endif
-        for (; d < n; ++d) o[d] = mh_float_to_half((float)(acc[d] * inv));
+        for (; d < n; ++d) {
+            const float x = (float)(acc[d] * inv);
+            o[d] = bf16 ? mh_float_to_bf16(x) : mh_float_to_half(x);
+        }
         return;
     }
     T *o = (T *)a->out.base + offset;

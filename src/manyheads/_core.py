@@ -85,8 +85,6 @@ def _pair_views(q: np.ndarray, kvs: tuple[np.ndarray, ...], enable_gqa: bool
 
 _STORAGE_BY_DTYPE = {"float16": "float16", "bfloat16": "bfloat16", "int8": "int8",
                      "uint8": "int4"}
-# queries and outputs the float32 kernels read and write as 16-bit bits
-_HALF_FORMAT = {"float16": "float16", "bfloat16": "bfloat16"}
 
 
 def _decode_group(q: np.ndarray, k: np.ndarray, mask: np.ndarray | None,
@@ -173,7 +171,7 @@ def attention(
     against many keys.  Returns the output, or ``(output, weights)`` with
     ``return_weights``.
     """
-    q_fmt = _HALF_FORMAT.get(dtype_name(q.dtype), "native")  # 16-bit q: float32 inside
+    q_fmt = storage_format(q)  # a 16-bit q ("float16", "bfloat16"): float32 inside
     compute = np.dtype(np.float32) if q_fmt != "native" else q.dtype
     fmt = "native" if k.dtype == compute else storage_format(k)
     L, E = q.shape[-2:]
@@ -215,7 +213,7 @@ def attention(
 
     if out is None:
         out = np.empty(heads_batch + (L, Ev), dtype=q.dtype)
-    out_fmt = _HALF_FORMAT.get(dtype_name(out.dtype), "native")  # 16-bit out: rounded
+    out_fmt = storage_format(out)  # a 16-bit output: rounded as it is written
     weights = np.zeros(batch + (L, S), dtype=compute) if return_weights else None
     n_pairs = math.prod(batch) if group == 1 else math.prod(batch[:-1])
     if n_pairs and L and (S == 0 or Ev == 0):
