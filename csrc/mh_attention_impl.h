@@ -64,6 +64,15 @@
 #else
 #define MH_INLINE static inline __attribute__((always_inline))
 #endif
+/* A hint that the cache line at p will be read soon (no effect where unknown). */
+#if defined(__GNUC__) || defined(__clang__)
+#define MH_PREFETCH(p) __builtin_prefetch(p)
+#elif defined(_MSC_VER) && (defined(_M_X64) || defined(_M_IX86))
+#include <intrin.h>
+#define MH_PREFETCH(p) _mm_prefetch((const char *)(p), _MM_HINT_T0)
+#else
+#define MH_PREFETCH(p) ((void)(p))
+#endif
 
 /* Keys [*lo, *hi) that query row `row` may see under the causal triangle and
    the sliding window (all keys without a causal mask). */
@@ -1053,13 +1062,32 @@ static FN(kv_rows) FN(kv_in_place)(const mh_attn_args *a, const mh_operand *src,
 }
 
 
+/* Decode streams two arrays, the keys while it takes the scores and then the
+   values while it mixes them.  Each phase asks for the other array's rows at
+   the pace it reads its own: the scores for the same block's values, the mix
+   for the next block's keys.  So both streams stay in flight, and the hardware
+   prefetchers do not start again from a cold page at every block.  Measured
+   on one decode call (12 heads of 64, L=16384, 2 threads, caches evicted
+   between calls): float32 -17%, int8 -17 to -26%, int4 -16%, float16 -10%;
+   with the cache warm (L=2048, 1 thread) +4 to +8% for the added instructions.
+   A whole block asked for at once was slower: its misses queue ahead of the
+   loads the loop waits on.  p.row_bytes 0: nothing. */
+static inline void FN(prefetch_rows)(FN(kv_rows) p, int64_t j, int64_t n)
+{
+    for (int64_t x = j * p.row_bytes; x < (j + n) * p.row_bytes; x += 64) MH_PREFETCH(p.base + x);
+}
+
+static const FN(kv_rows) FN(no_rows) = {0, 0, 0, 0};
+
 /* s[r][j] = qp_r . k_j for R (<= 4, a constant) rows from qp and nk keys of
    nvk vectors each, keys read in place in format `fmt`.  One or two rows take
    4 keys at a time, each key vector widened once for the rows, and reduce the
    4 keys' accumulators of a row together (V_HSUM4) into 4 adjacent scores;
-   3 or 4 rows take one key at a time and reduce their rows together. */
+   3 or 4 rows take one key at a time and reduce their rows together.  Row j
+   of `pf` is prefetched with key j (FN(prefetch_rows)). */
 MH_INLINE void FN(few_rows_dots_r)(const T *qp, int64_t ep, FN(kv_rows) k, int64_t nk,
-                                   int64_t nvk, T *s, const int R, const int fmt)
+                                   int64_t nvk, T *s, const int R, const int fmt,
+                                   FN(kv_rows) pf)
 {
     float pairs[4][2 * MH_I4_MAX_GROUPS];
     const int64_t groups = nvk * VW / MH_I4_GROUP;
@@ -1068,6 +1096,7 @@ MH_INLINE void FN(few_rows_dots_r)(const T *qp, int64_t ep, FN(kv_rows) k, int64
         for (; j + 4 <= nk; j += 4) {
             const char *k0 = k.base + j * k.row_bytes, *k1 = k0 + k.row_bytes;
             const char *k2 = k1 + k.row_bytes, *k3 = k2 + k.row_bytes;
+            FN(prefetch_rows)(pf, j, 4);
             if (fmt == MH_KV_I4)
                 for (int u = 0; u < 4; ++u)
                     FN(i4_pairs)((const uint16_t *)(k.scale + (j + u) * k.scale_bytes), groups,
@@ -1111,6 +1140,7 @@ MH_INLINE void FN(few_rows_dots_r)(const T *qp, int64_t ep, FN(kv_rows) k, int64
     }
     for (; j < nk; ++j) {
         const char *kr = k.base + j * k.row_bytes;
+        FN(prefetch_rows)(pf, j, 1);
         const T ks = (T)mh_row_scale(fmt, k.scale, k.scale_bytes, j);
         if (fmt == MH_KV_I4)
             FN(i4_pairs)((const uint16_t *)(k.scale + j * k.scale_bytes), groups, pairs[0]);
@@ -1133,17 +1163,20 @@ MH_INLINE void FN(few_rows_dots_r)(const T *qp, int64_t ep, FN(kv_rows) k, int64
 }
 
 /* s[i][j] = qp_i . k_j for nq rows and nk keys of nvk vectors each, keys read
-   in place in format `fmt`: 4 rows at a time, then the 1 to 3 left. */
+   in place in format `fmt`: 4 rows at a time, then the 1 to 3 left; `pf`
+   prefetched along the first rows. */
 MH_INLINE void FN(few_rows_dots)(const T *qp, int64_t ep, int64_t nq, FN(kv_rows) k,
-                                 int64_t nk, int64_t nvk, T *s, const int fmt)
+                                 int64_t nk, int64_t nvk, T *s, const int fmt, FN(kv_rows) pf)
 {
     int64_t r0 = 0;
     for (; r0 + 4 <= nq; r0 += 4)
-        FN(few_rows_dots_r)(qp + r0 * ep, ep, k, nk, nvk, s + r0 * BK, 4, fmt);
+        FN(few_rows_dots_r)(qp + r0 * ep, ep, k, nk, nvk, s + r0 * BK, 4, fmt,
+                            r0 == 0 ? pf : FN(no_rows));
+    if (r0 > 0) pf = FN(no_rows);
     switch (nq - r0) {
-    case 1: FN(few_rows_dots_r)(qp + r0 * ep, ep, k, nk, nvk, s + r0 * BK, 1, fmt); break;
-    case 2: FN(few_rows_dots_r)(qp + r0 * ep, ep, k, nk, nvk, s + r0 * BK, 2, fmt); break;
-    case 3: FN(few_rows_dots_r)(qp + r0 * ep, ep, k, nk, nvk, s + r0 * BK, 3, fmt); break;
+    case 1: FN(few_rows_dots_r)(qp + r0 * ep, ep, k, nk, nvk, s + r0 * BK, 1, fmt, pf); break;
+    case 2: FN(few_rows_dots_r)(qp + r0 * ep, ep, k, nk, nvk, s + r0 * BK, 2, fmt, pf); break;
+    case 3: FN(few_rows_dots_r)(qp + r0 * ep, ep, k, nk, nvk, s + r0 * BK, 3, fmt, pf); break;
     default: break;
     }
 }
@@ -1160,7 +1193,9 @@ static int FN(few_rows_masked_scores)(const mh_attn_args *a, int64_t pair, int64
     int user_hid = 0;
     if (w->k_in_place) {
         const FN(kv_rows) kr = FN(kv_in_place)(a, &a->k, &a->k_scale, pair, k0);
-#define MH_DOTS(F) FN(few_rows_dots)(w->qt, ep, nq, kr, nk, E / VW, w->st, F)
+        const FN(kv_rows) pf = /* this block's values, for the mix */
+            w->v_in_place ? FN(kv_in_place)(a, &a->v, &a->v_scale, pair, k0) : FN(no_rows);
+#define MH_DOTS(F) FN(few_rows_dots)(w->qt, ep, nq, kr, nk, E / VW, w->st, F, pf)
         switch (a->kv_format) {
         case MH_KV_F16: MH_DOTS(MH_KV_F16); break;
         case MH_KV_BF16: MH_DOTS(MH_KV_BF16); break;
@@ -1176,7 +1211,7 @@ static int FN(few_rows_masked_scores)(const mh_attn_args *a, int64_t pair, int64
         kr.row_bytes = ep * (int64_t)sizeof(T);
         kr.scale = 0;
         kr.scale_bytes = 0;
-        FN(few_rows_dots)(w->qt, ep, nq, kr, nk, ep / VW, w->st, MH_KV_NATIVE);
+        FN(few_rows_dots)(w->qt, ep, nq, kr, nk, ep / VW, w->st, MH_KV_NATIVE, FN(no_rows));
     }
     const int cut = mh_block_is_cut(a, q0, L, k0, nk);
     for (int64_t g = 0; g < G; ++g) {
@@ -1226,11 +1261,12 @@ static void FN(few_rows_softmax)(FN(work) *w, int64_t nq, int64_t nk, int mark)
    for R (<= MH_FEW_ROWS) rows whose probabilities are stored per row
    (p[r * BK + j]); values read in place in format `fmt` (an int8 row's scale
    folded into its probabilities), each value vector widened once for the R
-   rows; `select` skips hidden entries.  R * NC accumulators. */
+   rows; `select` skips hidden entries.  R * NC accumulators.  Row j of `pf`
+   is prefetched with value j. */
 MH_INLINE void FN(few_rows_output_cols)(T *acc, int64_t evp, const T *alpha, const T *p,
                                         int64_t nk, FN(kv_rows) v, int64_t c,
                                         const int NC, const int R, const int fmt,
-                                        const int select)
+                                        const int select, FN(kv_rows) pf)
 {
     float pairs[2 * MH_I4_MAX_GROUPS];
     V o[MH_FEW_ROWS][4 * NVO];
@@ -1243,6 +1279,7 @@ MH_INLINE void FN(few_rows_output_cols)(T *acc, int64_t evp, const T *alpha, con
     const int64_t g1 = ((c + NC) * VW + MH_I4_GROUP - 1) / MH_I4_GROUP;
     for (int64_t j = 0; j < nk; ++j) {
         const char *vr = v.base + j * v.row_bytes;
+        FN(prefetch_rows)(pf, j, 1);
         const T vs = (T)mh_row_scale(fmt, v.scale, v.scale_bytes, j);
         if (fmt == MH_KV_I4)
             FN(i4_pairs)((const uint16_t *)(v.scale + j * v.scale_bytes) + 2 * g0, g1 - g0,
@@ -1264,29 +1301,35 @@ MH_INLINE void FN(few_rows_output_cols)(T *acc, int64_t evp, const T *alpha, con
 /* acc[r] = alpha[r]*acc[r] + sum_j p[r][j] * v[j] for R (<= MH_FEW_ROWS) rows
    (few_rows_output_cols): the value columns in chunks as wide as the registers
    allow, NVO vectors for 3 or 4 rows, 2 * NVO for 2 and 4 * NVO for 1, so that
-   fewer rows read every value row fewer times; then NVO and single vectors. */
+   fewer rows read every value row fewer times; then NVO and single vectors.
+   `pf` is prefetched along the first chunk. */
 MH_INLINE void FN(few_rows_output)(T *acc, int64_t evp, const T *alpha, const T *p, int64_t nk,
                                    FN(kv_rows) v, int64_t nvv, const int R, const int fmt,
-                                   const int select)
+                                   const int select, FN(kv_rows) pf)
 {
     const int NC = R == 1 ? 4 * NVO : R == 2 ? 2 * NVO : NVO;
     int64_t c = 0;
-    for (; c + NC <= nvv; c += NC)
-        FN(few_rows_output_cols)(acc, evp, alpha, p, nk, v, c, NC, R, fmt, select);
+#define MH_COLS(N)                                                                         \
+    do {                                                                                   \
+        FN(few_rows_output_cols)(acc, evp, alpha, p, nk, v, c, N, R, fmt, select, pf);     \
+        pf = FN(no_rows);                                                                  \
+    } while (0)
+    for (; c + NC <= nvv; c += NC) MH_COLS(NC);
     if (NC > NVO)
-        for (; c + NVO <= nvv; c += NVO)
-            FN(few_rows_output_cols)(acc, evp, alpha, p, nk, v, c, NVO, R, fmt, select);
-    for (; c < nvv; ++c)
-        FN(few_rows_output_cols)(acc, evp, alpha, p, nk, v, c, 1, R, fmt, select);
+        for (; c + NVO <= nvv; c += NVO) MH_COLS(NVO);
+    for (; c < nvv; ++c) MH_COLS(1);
+#undef MH_COLS
 }
 
 /* Step 3: acc = alpha * acc + P V for the block's values (in place, or copied
    into vpack when this path cannot read their format or their rows are not
-   whole vectors), 4 rows at a time. */
+   whole vectors), 4 rows at a time, prefetching the next block's keys. */
 static void FN(few_rows_mix)(const mh_attn_args *a, int64_t pair, int64_t nq, int64_t k0,
                              int64_t nk, int select, FN(work) *w)
 {
     const int64_t evp = w->evp, nvv = (a->v_dim + VW - 1) / VW;
+    FN(kv_rows) pf = w->k_in_place && k0 + BK + nk <= a->kv_len /* a next block as long */
+                         ? FN(kv_in_place)(a, &a->k, &a->k_scale, pair, k0 + BK) : FN(no_rows);
     FN(kv_rows) vr;
     int fmt = MH_KV_NATIVE;
     if (w->v_in_place) {
@@ -1303,7 +1346,7 @@ static void FN(few_rows_mix)(const mh_attn_args *a, int64_t pair, int64_t nq, in
         const int64_t R = nq - r0 < MH_FEW_ROWS ? nq - r0 : MH_FEW_ROWS;
         T *acc = w->acc + r0 * evp;
         const T *alpha = w->alpha + r0, *p = w->st + r0 * BK;
-#define MH_MIX3(RR, F, S) FN(few_rows_output)(acc, evp, alpha, p, nk, vr, nvv, RR, F, S)
+#define MH_MIX3(RR, F, S) FN(few_rows_output)(acc, evp, alpha, p, nk, vr, nvv, RR, F, S, pf)
 #define MH_MIX2(RR, F) (select ? MH_MIX3(RR, F, 1) : MH_MIX3(RR, F, 0))
 #define MH_MIX(RR)                                        \
         switch (fmt) {                                    \
@@ -1319,6 +1362,7 @@ static void FN(few_rows_mix)(const mh_attn_args *a, int64_t pair, int64_t nq, in
         case 3: MH_MIX(3); break;
         default: MH_MIX(4); break;
         }
+        pf = FN(no_rows);
 #undef MH_MIX
 #undef MH_MIX2
 #undef MH_MIX3
