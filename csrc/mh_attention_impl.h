@@ -1079,16 +1079,67 @@ static inline void FN(prefetch_rows)(FN(kv_rows) p, int64_t j, int64_t n)
 
 static const FN(kv_rows) FN(no_rows) = {0, 0, 0, 0};
 
+#if defined(V_LOAD_I8) && defined(V_LOAD_U4)
+/* The 4-bit values of n vectors of a stored int4 row, widened as they are (no
+   scale or min).  Where the ISA has V_LOAD_U4_SPLIT (VW = MH_I4_GROUP / 2),
+   each group comes in split order: its even channels (the low nibbles) in one
+   vector, its odd channels in the next, which takes fewer instructions; the
+   query rows (FN(attend_few_rows)) and the output columns (the int4 mix) are
+   put in the same order for them. */
+#if defined(V_LOAD_U4_SPLIT) && 2 * VW == MH_I4_GROUP
+#define MH_I4_SPLIT 1
+#else
+#define MH_I4_SPLIT 0
+#endif
+MH_INLINE void FN(u4_row)(const char *row, int64_t n, V *u)
+{
+    int64_t c = 0;
+#if MH_I4_SPLIT
+    for (; c + 2 <= n; c += 2) V_LOAD_U4_SPLIT((const uint8_t *)row + c * (VW / 2), u[c], u[c + 1]);
+#endif
+    for (; c < n; ++c) u[c] = V_LOAD_U4((const uint8_t *)row + c * (VW / 2));
+}
+
+/* int4 keys, factored by group: q . (s u + m) = s (q . u) + m (sum of q), so
+   the 4-bit values u are only widened, with no multiply-add to dequantise
+   each vector first.  out[r] = the lanes of row r's score before their sum:
+   per group, s times the lanes of q . u, plus, spread over the lanes, the
+   sum of m times the group's query sum (qm: the sums / VW, MH_I4_MAX_GROUPS a
+   row).  The result is the same product as the dequantised dot product up to
+   float32 rounding. */
+MH_INLINE void FN(i4_key_lanes)(const T *qp, int64_t ep, const T *qm, const char *krow,
+                                const float *sm, int64_t groups, V *out, const int R)
+{
+    T mq[4] = {0, 0, 0, 0};
+    V u[MH_I4_MAX_GROUPS * MH_I4_GROUP / VW];
+    FN(u4_row)(krow, groups * (MH_I4_GROUP / VW), u);
+    for (int r = 0; r < R; ++r) out[r] = V_ZERO();
+    for (int64_t g = 0; g < groups; ++g) {
+        V dot[4];
+        for (int r = 0; r < R; ++r) dot[r] = V_ZERO();
+        for (int64_t c = g * (MH_I4_GROUP / VW); c < (g + 1) * (MH_I4_GROUP / VW); ++c)
+            for (int r = 0; r < R; ++r) dot[r] = V_FMA(V_LOAD(qp + r * ep + c * VW), u[c], dot[r]);
+        const V sg = V_SET1((T)sm[2 * g]);
+        for (int r = 0; r < R; ++r) {
+            out[r] = V_FMA(dot[r], sg, out[r]);
+            mq[r] += (T)sm[2 * g + 1] * qm[r * MH_I4_MAX_GROUPS + g];
+        }
+    }
+    for (int r = 0; r < R; ++r) out[r] = V_ADD(out[r], V_SET1(mq[r]));
+}
+#endif
+
 /* s[r][j] = qp_r . k_j for R (<= 4, a constant) rows from qp and nk keys of
    nvk vectors each, keys read in place in format `fmt`.  One or two rows take
    4 keys at a time, each key vector widened once for the rows, and reduce the
    4 keys' accumulators of a row together (V_HSUM4) into 4 adjacent scores;
    3 or 4 rows take one key at a time and reduce their rows together.  Row j
    of `pf` is prefetched with key j (FN(prefetch_rows)). */
-MH_INLINE void FN(few_rows_dots_r)(const T *qp, int64_t ep, FN(kv_rows) k, int64_t nk,
-                                   int64_t nvk, T *s, const int R, const int fmt,
+MH_INLINE void FN(few_rows_dots_r)(const T *qp, int64_t ep, const T *qm, FN(kv_rows) k,
+                                   int64_t nk, int64_t nvk, T *s, const int R, const int fmt,
                                    FN(kv_rows) pf)
 {
+    (void)qm;
     float pairs[4][2 * MH_I4_MAX_GROUPS];
     const int64_t groups = nvk * VW / MH_I4_GROUP;
     int64_t j = 0;
@@ -1102,6 +1153,16 @@ MH_INLINE void FN(few_rows_dots_r)(const T *qp, int64_t ep, FN(kv_rows) k, int64
                     FN(i4_pairs)((const uint16_t *)(k.scale + (j + u) * k.scale_bytes), groups,
                                  pairs[u]);
             V a0[2], a1[2], a2[2], a3[2];
+#if defined(V_LOAD_I8) && defined(V_LOAD_U4)
+            if (fmt == MH_KV_I4) {
+                FN(i4_key_lanes)(qp, ep, qm, k0, pairs[0], groups, a0, R);
+                FN(i4_key_lanes)(qp, ep, qm, k1, pairs[1], groups, a1, R);
+                FN(i4_key_lanes)(qp, ep, qm, k2, pairs[2], groups, a2, R);
+                FN(i4_key_lanes)(qp, ep, qm, k3, pairs[3], groups, a3, R);
+                for (int r = 0; r < R; ++r) V_HSUM4(a0[r], a1[r], a2[r], a3[r], s + r * BK + j);
+                continue;
+            }
+#endif
             for (int r = 0; r < R; ++r) a0[r] = a1[r] = a2[r] = a3[r] = V_ZERO();
 #define MH_DOTS4_STEP(c)                                                        \
             do {                                                                \
@@ -1145,10 +1206,17 @@ MH_INLINE void FN(few_rows_dots_r)(const T *qp, int64_t ep, FN(kv_rows) k, int64
         if (fmt == MH_KV_I4)
             FN(i4_pairs)((const uint16_t *)(k.scale + j * k.scale_bytes), groups, pairs[0]);
         V acc[4];
-        for (int r = 0; r < R; ++r) acc[r] = V_ZERO();
-        for (int64_t c = 0; c < nvk; ++c) {
-            const V kc = FN(kv_vec)(kr, c * VW, fmt, pairs[0]);
-            for (int r = 0; r < R; ++r) acc[r] = V_FMA(V_LOAD(qp + r * ep + c * VW), kc, acc[r]);
+#if defined(V_LOAD_I8) && defined(V_LOAD_U4)
+        if (fmt == MH_KV_I4) {
+            FN(i4_key_lanes)(qp, ep, qm, kr, pairs[0], groups, acc, R);
+        } else
+#endif
+        {
+            for (int r = 0; r < R; ++r) acc[r] = V_ZERO();
+            for (int64_t c = 0; c < nvk; ++c) {
+                const V kc = FN(kv_vec)(kr, c * VW, fmt, pairs[0]);
+                for (int r = 0; r < R; ++r) acc[r] = V_FMA(V_LOAD(qp + r * ep + c * VW), kc, acc[r]);
+            }
         }
         if (fmt == MH_KV_I8) /* as the 4-key loop: the scale before the lane sums */
             for (int r = 0; r < R; ++r) acc[r] = V_MUL(acc[r], V_SET1(ks));
@@ -1165,20 +1233,31 @@ MH_INLINE void FN(few_rows_dots_r)(const T *qp, int64_t ep, FN(kv_rows) k, int64
 /* s[i][j] = qp_i . k_j for nq rows and nk keys of nvk vectors each, keys read
    in place in format `fmt`: 4 rows at a time, then the 1 to 3 left; `pf`
    prefetched along the first rows. */
-MH_INLINE void FN(few_rows_dots)(const T *qp, int64_t ep, int64_t nq, FN(kv_rows) k,
-                                 int64_t nk, int64_t nvk, T *s, const int fmt, FN(kv_rows) pf)
+MH_INLINE void FN(few_rows_dots)(const T *qp, int64_t ep, const T *qm, int64_t nq,
+                                 FN(kv_rows) k, int64_t nk, int64_t nvk, T *s, const int fmt,
+                                 FN(kv_rows) pf)
 {
     int64_t r0 = 0;
-    for (; r0 + 4 <= nq; r0 += 4)
-        FN(few_rows_dots_r)(qp + r0 * ep, ep, k, nk, nvk, s + r0 * BK, 4, fmt,
-                            r0 == 0 ? pf : FN(no_rows));
+#define MH_DOTS_R1(RR, PF, NVK)                                                            \
+    FN(few_rows_dots_r)(qp + r0 * ep, ep, qm + r0 * MH_I4_MAX_GROUPS, k, nk, NVK,          \
+                        s + r0 * BK, RR, fmt, PF)
+    /* int4 rows of 64 and 128: the group loops of FN(i4_key_lanes) unrolled */
+#define MH_DOTS_R(RR, PF)                                                                  \
+    do {                                                                                   \
+        if (fmt == MH_KV_I4 && nvk * VW == 64) MH_DOTS_R1(RR, PF, 64 / VW);                \
+        else if (fmt == MH_KV_I4 && nvk * VW == 128) MH_DOTS_R1(RR, PF, 128 / VW);         \
+        else MH_DOTS_R1(RR, PF, nvk);                                                      \
+    } while (0)
+    for (; r0 + 4 <= nq; r0 += 4) MH_DOTS_R(4, r0 == 0 ? pf : FN(no_rows));
     if (r0 > 0) pf = FN(no_rows);
     switch (nq - r0) {
-    case 1: FN(few_rows_dots_r)(qp + r0 * ep, ep, k, nk, nvk, s + r0 * BK, 1, fmt, pf); break;
-    case 2: FN(few_rows_dots_r)(qp + r0 * ep, ep, k, nk, nvk, s + r0 * BK, 2, fmt, pf); break;
-    case 3: FN(few_rows_dots_r)(qp + r0 * ep, ep, k, nk, nvk, s + r0 * BK, 3, fmt, pf); break;
+    case 1: MH_DOTS_R(1, pf); break;
+    case 2: MH_DOTS_R(2, pf); break;
+    case 3: MH_DOTS_R(3, pf); break;
     default: break;
     }
+#undef MH_DOTS_R
+#undef MH_DOTS_R1
 }
 
 /* Step 1: s[i][j] = (s q_i) . k_j (s: mh_score_scale) for keys [k0, k0+nk), every mask
@@ -1195,7 +1274,7 @@ static int FN(few_rows_masked_scores)(const mh_attn_args *a, int64_t pair, int64
         const FN(kv_rows) kr = FN(kv_in_place)(a, &a->k, &a->k_scale, pair, k0);
         const FN(kv_rows) pf = /* this block's values, for the mix */
             w->v_in_place ? FN(kv_in_place)(a, &a->v, &a->v_scale, pair, k0) : FN(no_rows);
-#define MH_DOTS(F) FN(few_rows_dots)(w->qt, ep, nq, kr, nk, E / VW, w->st, F, pf)
+#define MH_DOTS(F) FN(few_rows_dots)(w->qt, ep, w->kpack, nq, kr, nk, E / VW, w->st, F, pf)
         switch (a->kv_format) {
         case MH_KV_F16: MH_DOTS(MH_KV_F16); break;
         case MH_KV_BF16: MH_DOTS(MH_KV_BF16); break;
@@ -1211,7 +1290,8 @@ static int FN(few_rows_masked_scores)(const mh_attn_args *a, int64_t pair, int64
         kr.row_bytes = ep * (int64_t)sizeof(T);
         kr.scale = 0;
         kr.scale_bytes = 0;
-        FN(few_rows_dots)(w->qt, ep, nq, kr, nk, ep / VW, w->st, MH_KV_NATIVE, FN(no_rows));
+        FN(few_rows_dots)(w->qt, ep, w->kpack, nq, kr, nk, ep / VW, w->st, MH_KV_NATIVE,
+                          FN(no_rows));
     }
     const int cut = mh_block_is_cut(a, q0, L, k0, nk);
     for (int64_t g = 0; g < G; ++g) {
@@ -1277,6 +1357,42 @@ MH_INLINE void FN(few_rows_output_cols)(T *acc, int64_t evp, const T *alpha, con
     /* int4: the groups this chunk's columns fall in, widened at their own places */
     const int64_t g0 = c * VW / MH_I4_GROUP;
     const int64_t g1 = ((c + NC) * VW + MH_I4_GROUP - 1) / MH_I4_GROUP;
+#if MH_I4_SPLIT
+    /* (whole groups: the chunks of 16, 8 and 4 vectors; columns that come one
+       vector at a time are the last nvv % 4 whatever the rows, so a column
+       takes the same path for any number of rows) */
+    if (fmt == MH_KV_I4 && !select && NC % 2 == 0 && c % 2 == 0) {
+        /* factored by group as the keys (FN(i4_key_lanes)): p (s u + m) summed
+           over the keys is (p s) u summed, plus the sum of p m once per group */
+        const int NG = NC * VW / MH_I4_GROUP, per = MH_I4_GROUP / VW;
+        T pm[MH_FEW_ROWS][4 * NVO * VW / MH_I4_GROUP];
+        for (int r = 0; r < R; ++r)
+            for (int uu = 0; uu < NC; uu += 2) V_SPLIT(o[r][uu], o[r][uu + 1]);
+        for (int r = 0; r < R; ++r)
+            for (int g = 0; g < NG; ++g) pm[r][g] = 0;
+        for (int64_t j = 0; j < nk; ++j) {
+            const char *vr = v.base + j * v.row_bytes;
+            FN(prefetch_rows)(pf, j, 1);
+            FN(i4_pairs)((const uint16_t *)(v.scale + j * v.scale_bytes) + 2 * g0, NG, pairs);
+            V u[4 * NVO];
+            FN(u4_row)(vr + c * (VW / 2), NC, u);
+            for (int r = 0; r < R; ++r) {
+                const T ps = p[r * BK + j];
+                for (int g = 0; g < NG; ++g) {
+                    const V psg = V_SET1(ps * (T)pairs[2 * g]);
+                    for (int uu = g * per; uu < (g + 1) * per; ++uu) o[r][uu] = V_FMA(psg, u[uu], o[r][uu]);
+                    pm[r][g] += ps * (T)pairs[2 * g + 1];
+                }
+            }
+        }
+        for (int r = 0; r < R; ++r) {
+            for (int uu = 0; uu < NC; ++uu) o[r][uu] = V_ADD(o[r][uu], V_SET1(pm[r][uu / per]));
+            for (int uu = 0; uu < NC; uu += 2) V_UNSPLIT(o[r][uu], o[r][uu + 1]);
+            for (int uu = 0; uu < NC; ++uu) V_STORE(acc + r * evp + (c + uu) * VW, o[r][uu]);
+        }
+        return;
+    }
+#endif
     for (int64_t j = 0; j < nk; ++j) {
         const char *vr = v.base + j * v.row_bytes;
         FN(prefetch_rows)(pf, j, 1);
@@ -1394,6 +1510,20 @@ static void FN(attend_few_rows)(const mh_attn_args *a, int64_t pair, int64_t q0,
         w->row_max[i] = (T)(-INFINITY);
         w->row_sum[i] = 0;
     }
+    if (w->k_in_place && a->kv_format == MH_KV_I4) /* FN(i4_key_lanes)'s query sums, in kpack */
+        for (int64_t i = 0; i < nq; ++i)
+            for (int64_t g = 0; g < E / MH_I4_GROUP; ++g) {
+                T *qg = qt + i * ep + g * MH_I4_GROUP;
+                V sum = V_ZERO();
+                for (int64_t d = 0; d < MH_I4_GROUP; d += VW) sum = V_ADD(sum, V_LOAD(qg + d));
+                w->kpack[i * MH_I4_MAX_GROUPS + g] = V_HSUM(sum) * ((T)1 / VW);
+#if MH_I4_SPLIT
+                V lo = V_LOAD(qg), hi = V_LOAD(qg + VW); /* the keys' order (FN(u4_row)) */
+                V_SPLIT(lo, hi);
+                V_STORE(qg, lo);
+                V_STORE(qg + VW, hi);
+#endif
+            }
     for (int64_t i = 0; i < nq * evp; i += VW) V_STORE(acc + i, V_ZERO());
     /* copied key / value rows: load_rows writes columns [0, E) and [0, Ev) of
        the rows it copies and the dots and the mix read only those rows, so

@@ -131,6 +131,10 @@ static inline void mh_transpose_f64_avx512(__m512d r[8])
     _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(p))), 16))
 #define V_LOAD_I8(p) _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p))))
 #define V_LOAD_U4(p) mh_load_u4_avx512((const uint8_t *)(p))
+/* int4 groups in split order (mh_attention_impl.h, FN(u4_row)) */
+#define V_LOAD_U4_SPLIT(p, lo, hi) mh_load_u4_split_avx512((const uint8_t *)(p), &(lo), &(hi))
+#define V_SPLIT(a, b) mh_split_avx512(&(a), &(b))
+#define V_UNSPLIT(a, b) mh_unsplit_avx512(&(a), &(b))
 #define V_STORE_BF16(p, x) _mm256_storeu_si256((__m256i *)(p), mh_to_bf16_avx512(x))
 #define V_STORE_HALF(p, x) \
     _mm256_storeu_si256((__m256i *)(p), _mm512_cvtps_ph((x), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC))
@@ -169,6 +173,32 @@ static inline __m512 mh_load_u4_avx512(const uint8_t *p)
     const __m128i nib = _mm_unpacklo_epi8(_mm_and_si128(b, low4),
                                           _mm_and_si128(_mm_srli_epi16(b, 4), low4));
     return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(nib));
+}
+
+/* 32 four-bit values from 16 bytes in split order: the low nibbles (even
+   channels) in *lo, the high ones (odd channels) in *hi. */
+static inline void mh_load_u4_split_avx512(const uint8_t *p, __m512 *lo, __m512 *hi)
+{
+    const __m512i d = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
+    *lo = _mm512_cvtepi32_ps(_mm512_and_si512(d, _mm512_set1_epi32(15)));
+    *hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(d, 4));
+}
+
+/* channels 0-15 in *a and 16-31 in *b, to split order (even channels in *a,
+   odd in *b), and back */
+static inline void mh_split_avx512(__m512 *a, __m512 *b)
+{
+    const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+    const __m512 e = _mm512_permutex2var_ps(*a, even, *b);
+    *b = _mm512_permutex2var_ps(*a, _mm512_add_epi32(even, _mm512_set1_epi32(1)), *b);
+    *a = e;
+}
+static inline void mh_unsplit_avx512(__m512 *a, __m512 *b)
+{
+    const __m512i lo = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+    const __m512 x = _mm512_permutex2var_ps(*a, lo, *b);
+    *b = _mm512_permutex2var_ps(*a, _mm512_add_epi32(lo, _mm512_set1_epi32(8)), *b);
+    *a = x;
 }
 
 /* exp(x) (scheme and constants in mh_exp.h), 2^n applied with scalef.  Inputs

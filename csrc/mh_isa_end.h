@@ -47,6 +47,12 @@
 #ifdef V_LOAD_U4
 #undef V_LOAD_U4
 #endif
+#undef MH_I4_SPLIT
+#ifdef V_LOAD_U4_SPLIT
+#undef V_LOAD_U4_SPLIT
+#undef V_SPLIT
+#undef V_UNSPLIT
+#endif
 #ifdef S_HALF_TO_FLOAT
 #undef S_HALF_TO_FLOAT
 #endif

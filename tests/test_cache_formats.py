@@ -248,3 +248,30 @@ def test_grouped_decode_reads_each_kv_head_once_and_equals_repeated_heads(rng, f
     repeated = _core.attention(q, rep(kq), rep(vq), k_scale=rep(ks), v_scale=rep(vs), **kw)
     np.testing.assert_array_equal(grouped, repeated)
     assert _core._decode_group(q, kq, pad, False, 0.0) == 4
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+@pytest.mark.parametrize("E", [32, 96, 128])
+def test_quantised_decode_head_sizes(rng, fmt, E):
+    """int8 / int4 decode at head sizes that are not 64 (one group, an odd number of
+    groups, a row the int4 path unrolls): the attention over the dequantised keys and
+    values, and grouped heads give the bits of repeated heads, with a padding mask
+    that hides keys in the middle of a block."""
+    S, G, L = 700, 3, 2
+    q = normal(rng, (1, 2 * G, L, E), np.float32)
+    k, v = (normal(rng, (1, 2, S, E), np.float32) for _ in range(2))
+    kq, ks = quantize(k, fmt)
+    vq, vs = quantize(v, fmt)
+    pad = np.ones((1, 1, 1, S), bool)
+    pad[..., 100:107] = False
+    kw = dict(scale=E ** -0.5, num_threads=2, causal_offset=S - L, mask=pad)
+    grouped = _core.attention(q, kq, vq, k_scale=ks, v_scale=vs, enable_gqa=True, **kw)
+    rep = (lambda a: np.repeat(a, G, axis=1))
+    repeated = _core.attention(q, rep(kq), rep(vq), k_scale=rep(ks), v_scale=rep(vs), **kw)
+    np.testing.assert_array_equal(grouped, repeated)
+    visible = pad & (np.arange(S) <= np.arange(L)[:, None] + S - L)
+    kd = dequantize(kq, ks, fmt).astype(np.float64)
+    vd = dequantize(vq, vs, fmt).astype(np.float64)
+    ref = oracle.scaled_dot_product_attention(q.astype(np.float64), rep(kd), rep(vd),
+                                              attn_mask=visible, scale=E ** -0.5)
+    np.testing.assert_allclose(grouped, ref, rtol=0, atol=2e-6)
