@@ -338,6 +338,10 @@ typedef struct {
     int v_direct;      /* tile path: values read in place (and rows of whole vectors) */
     int dp;            /* tile path: bfloat16 pair dot products (see "bfloat16 pairs") */
     uint32_t *pt2;     /* dp: the probabilities as bfloat16 pairs of keys */
+    /* tile path, a->kv_widened_rows: this thread's widened rows (header: the
+       pair, the rows done; keys [rows][E], values [rows][evp]) or NULL */
+    int64_t *wid;
+    T *kwid, *vwid;
 } FN(work);
 
 static FN(work) FN(carve)(const mh_attn_args *a, int64_t nq, void *scratch)
@@ -377,6 +381,14 @@ static FN(work) FN(carve)(const mh_attn_args *a, int64_t nq, void *scratch)
 #else
     w.dp = 0;
 #endif
+    w.wid = 0;
+    w.kwid = w.vwid = 0;
+    if (!w.few_rows && !w.dp && a->kv_widened_rows >= a->kv_len &&
+        (a->kv_format == MH_KV_F16 || a->kv_format == MH_KV_BF16)) {
+        w.wid = (int64_t *)((char *)scratch + mh_scratch_stride(a->head_dim, a->v_dim, sizeof(T)));
+        w.kwid = (T *)((char *)w.wid + MH_SCRATCH_ALIGN);
+        w.vwid = w.kwid + a->kv_len * a->head_dim;
+    }
     return w;
 }
 
@@ -629,6 +641,25 @@ MH_INLINE void FN(tile_scores)(const T *qt, int64_t E, const void *k, int64_t k_
    vector padding lanes after them), every mask applied (-inf = hidden).
    Reads the key block in place or copies it into kpack first.  Returns 1 if
    the user mask may have hidden an entry. */
+/* Keys and values of pair `pair` up to row `upto` widened into this thread's
+   area (w->wid), from where the last block of the same pair stopped: the
+   query blocks of a pair that follow on one thread widen no row again. */
+static void FN(widen_upto)(const mh_attn_args *a, int64_t pair, int64_t upto, FN(work) *w)
+{
+    int64_t *hdr = w->wid;
+    if (hdr[0] != pair) {
+        hdr[0] = pair;
+        hdr[1] = 0;
+    }
+    const int64_t from = hdr[1], E = a->head_dim, Ev = a->v_dim, evp = w->evp;
+    if (upto <= from) return;
+    FN(load_rows)(a, &a->k, &a->k_scale, pair, from, upto - from, E, w->kwid + from * E, E);
+    FN(load_rows)(a, &a->v, &a->v_scale, pair, from, upto - from, Ev, w->vwid + from * evp, evp);
+    for (int64_t j = from; j < upto; ++j)
+        for (int64_t d = Ev; d < evp; ++d) w->vwid[j * evp + d] = 0;
+    hdr[1] = upto;
+}
+
 static int FN(tile_masked_scores)(const mh_attn_args *a, int64_t pair, int64_t q0, int64_t nq,
                                   int64_t nvq, int64_t k0, int64_t nk, FN(work) *w)
 {
@@ -652,6 +683,9 @@ static int FN(tile_masked_scores)(const mh_attn_args *a, int64_t pair, int64_t q
         if (w->k_direct) {
             k = (const T *)a->k.base + a->k.off[pair] + k0 * a->k.row;
             k_row = a->k.row;
+        } else if (w->wid) {
+            FN(widen_upto)(a, pair, k0 + nk, w);
+            k = w->kwid + k0 * E;
         } else {
             FN(load_rows)(a, &a->k, &a->k_scale, pair, k0, nk, E, w->kpack, E);
         }
@@ -897,6 +931,8 @@ static void FN(tile_mix)(const mh_attn_args *a, int64_t pair, int64_t q0, int64_
         if (w->v_direct) {
             v = (const T *)a->v.base + a->v.off[pair] + k0 * a->v.row;
             v_row = a->v.row;
+        } else if (w->wid) { /* (widened with the keys of this block) */
+            v = w->vwid + k0 * w->evp;
         } else {
             FN(load_rows)(a, &a->v, &a->v_scale, pair, k0, nk, a->v_dim, w->vpack, w->evp);
         }

@@ -48,6 +48,21 @@ size_t mh_scratch_stride(int64_t head_dim, int64_t v_dim, size_t elem_size)
     return (bytes + MH_SCRATCH_ALIGN - 1) / MH_SCRATCH_ALIGN * MH_SCRATCH_ALIGN;
 }
 
+size_t mh_widened_bytes(int64_t head_dim, int64_t v_dim, int64_t rows)
+{
+    const size_t bytes = MH_SCRATCH_ALIGN +
+                         (size_t)rows * (size_t)(head_dim + MH_ROUND16(v_dim)) * sizeof(float);
+    return (bytes + MH_SCRATCH_ALIGN - 1) / MH_SCRATCH_ALIGN * MH_SCRATCH_ALIGN;
+}
+
+void mh_widened_reset(void *thread_scratch, int64_t head_dim, int64_t v_dim)
+{
+    int64_t *hdr = (int64_t *)((char *)thread_scratch +
+                               mh_scratch_stride(head_dim, v_dim, sizeof(float)));
+    hdr[0] = -1; /* pair */
+    hdr[1] = 0;  /* rows widened */
+}
+
 void *mh_scratch_align(void *raw)
 {
     const uintptr_t p = (uintptr_t)raw;

@@ -138,6 +138,12 @@ typedef struct mh_attn_args {
        value once for the G heads (no dropout, no weights; the mask, if any,
        is per kv pair). */
     int64_t group;
+
+    /* Tile path with float16 / bfloat16 keys and values: when >= kv_len, each
+       thread's scratch holds, after the plan's parts, the widened rows of the
+       pair it last served (mh_widened_bytes), so the query blocks of a pair
+       that follow on that thread do not widen them again; 0: none. */
+    int64_t kv_widened_rows;
 } mh_attn_args;
 
 /* Query block: pair `pair`, rows [q_start, min(q_start + MH_BLOCK_Q, L)). */
@@ -226,6 +232,13 @@ size_t mh_scratch_stride(int64_t head_dim, int64_t v_dim, size_t elem_size);
 
 /* `raw` rounded up to MH_SCRATCH_ALIGN; allocate MH_SCRATCH_ALIGN extra bytes. */
 void *mh_scratch_align(void *raw);
+
+/* Bytes to add to each thread's float32 scratch stride for `rows` widened key
+   and value rows (mh_attn_args.kv_widened_rows): a header, then rows x E keys
+   and rows x evp values, a multiple of MH_SCRATCH_ALIGN.  mh_widened_reset
+   marks one thread's area empty; call it for every thread before a run. */
+size_t mh_widened_bytes(int64_t head_dim, int64_t v_dim, int64_t rows);
+void mh_widened_reset(void *thread_scratch, int64_t head_dim, int64_t v_dim);
 
 /* Quantise `rows` rows of n float32 values into the KV cache's storage formats
    (mh_kv_format; n a multiple of MH_I4_GROUP for int4): int8 values and one

@@ -82,6 +82,22 @@ def test_half_results_are_the_float32_results_rounded_to_nearest_even(rng, dtype
 
 
 @pytest.mark.parametrize("dtype", HALVES)
+def test_half_prefill_is_the_float32_prefill_of_the_same_values(rng, dtype):
+    # each thread keeps the key and value rows it widened for a pair, for the pair's later
+    # query blocks on that thread: several pairs and query blocks, a sliding window and a
+    # padding mask give the bits of the float32 call on the widened arrays, rounded once
+    E, T = 33, 300  # E odd: float32 products on every path (no bfloat16 pairs)
+    q, k, v = (normal(rng, (2, 3, T, E)).astype(dtype) for _ in range(3))
+    pad = rng.random((2, 1, 1, T)) > 0.1
+    pad[..., 0] = True
+    for window in (None, 70):
+        kw = dict(scale=E ** -0.5, num_threads=2, causal_offset=0, window=window, mask=pad)
+        got = _core.attention(q, k, v, **kw)
+        want = _core.attention(*(a.astype(np.float32) for a in (q, k, v)), **kw).astype(dtype)
+        np.testing.assert_array_equal(got.view(np.uint16), want.view(np.uint16))
+
+
+@pytest.mark.parametrize("dtype", HALVES)
 def test_an_additive_mask_may_be_half_precision(rng, dtype):
     q, k, v = (normal(rng, (1, 2, 5, 16), np.float32) for _ in range(3))
     mask = np.where(rng.random((5, 5)) > 0.3, normal(rng, (5, 5), np.float32), -np.inf)

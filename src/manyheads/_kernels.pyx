@@ -65,6 +65,7 @@ cdef extern from "mh_kernels.h" nogil:
         void *weights
         mh_key_split split
         int64_t group
+        int64_t kv_widened_rows
 
     ctypedef void (*mh_block_fn)(const mh_attn_args *args, int64_t pair, int64_t q_start,
                                  void *scratch) noexcept nogil
@@ -117,6 +118,8 @@ cdef extern from "mh_kernels.h" nogil:
 
     size_t mh_scratch_stride(int64_t head_dim, int64_t v_dim, size_t elem_size)
     void *mh_scratch_align(void *raw)
+    size_t mh_widened_bytes(int64_t head_dim, int64_t v_dim, int64_t rows)
+    void mh_widened_reset(void *thread_scratch, int64_t head_dim, int64_t v_dim)
     const char *mh_isa_name(int isa)
     int mh_isa_by_preference(int rank)
     int mh_cpu_supports(int isa)
@@ -151,6 +154,8 @@ LINEAR_COLS = MH_LINEAR_COLS
 SIGNAL_CHECK_SECONDS = 0.05  # how often a long call looks for Ctrl-C
 # Work (multiply-adds) below which a call runs on the calling thread alone: waking
 # the pool costs more than the split saves.
+# bytes of widened keys and values each thread may keep in a half-precision prefill
+cdef size_t WIDENED_BYTES = 32 << 20
 cdef double _serial_work = 524288
 SERIAL_WORK = _serial_work
 
@@ -582,7 +587,7 @@ cdef class AttentionCall:
         """
         cdef int64_t n_pairs = self.a.n_pairs, q_len = self.a.q_len * self.a.group, n_items
         cdef size_t elem = 8 if self.is_f64 else 4
-        cdef int nt
+        cdef int nt, t
         cdef void *raw
         cdef Job job
         job.attn = &self.a
@@ -609,10 +614,23 @@ cdef class AttentionCall:
         nt = _clamp_threads(num_threads, n_items, <double>n_pairs * q_len * self.a.kv_len
                             * (self.a.head_dim + self.a.v_dim))
         job.stride = mh_scratch_stride(self.a.head_dim, self.a.v_dim, elem)
+        # prefill over float16 / bfloat16 keys and values: each thread keeps the rows it
+        # widened for a pair, for that pair's next query blocks (up to WIDENED_BYTES)
+        self.a.kv_widened_rows = 0
+        if (split_keys == 0 and not self.is_f64 and self.a.group == 1
+                and q_len > MH_BLOCK_Q
+                and (self.a.kv_format == MH_KV_F16 or self.a.kv_format == MH_KV_BF16)
+                and mh_widened_bytes(self.a.head_dim, self.a.v_dim, self.a.kv_len)
+                <= WIDENED_BYTES):
+            self.a.kv_widened_rows = self.a.kv_len
+            job.stride += mh_widened_bytes(self.a.head_dim, self.a.v_dim, self.a.kv_len)
         raw = malloc(job.stride * nt + MH_SCRATCH_ALIGN)
         if raw == NULL:
             raise MemoryError("cannot allocate the kernels' scratch")
         job.scratch = <char *>mh_scratch_align(raw)
+        if self.a.kv_widened_rows:
+            for t in range(nt):
+                mh_widened_reset(job.scratch + t * job.stride, self.a.head_dim, self.a.v_dim)
         try:
             if split_keys > 0:
                 # every (pair, key range) on its own, then each pair's ranges merged in order
