@@ -73,6 +73,9 @@
 #else
 #define MH_PREFETCH(p) ((void)(p))
 #endif
+/* decode asks for its rows ahead only from this many bytes of K/V a call (see
+   FN(prefetch_rows)) */
+#define MH_PREFETCH_MIN_BYTES (8.0 * 1024 * 1024)
 
 /* Keys [*lo, *hi) that query row `row` may see under the causal triangle and
    the sliding window (all keys without a causal mask). */
@@ -342,6 +345,7 @@ typedef struct {
        pair, the rows done; keys [rows][E], values [rows][evp]) or NULL */
     int64_t *wid;
     T *kwid, *vwid;
+    int prefetch;      /* few-rows path: FN(prefetch_rows) along the key and value streams */
 } FN(work);
 
 static FN(work) FN(carve)(const mh_attn_args *a, int64_t nq, void *scratch)
@@ -383,6 +387,12 @@ static FN(work) FN(carve)(const mh_attn_args *a, int64_t nq, void *scratch)
 #endif
     w.wid = 0;
     w.kwid = w.vwid = 0;
+    {   /* the call's keys and values, in bytes (int4: half a byte an element) */
+        const double elems = (double)a->n_pairs * (double)a->kv_len * (double)(a->head_dim + a->v_dim);
+        const double bytes = a->kv_format == MH_KV_I4 ? elems / 2
+                                                      : elems * (double)mh_kv_bytes(a->kv_format, sizeof(T));
+        w.prefetch = bytes >= MH_PREFETCH_MIN_BYTES;
+    }
     if (!w.few_rows && !w.dp && a->kv_widened_rows >= a->kv_len &&
         (a->kv_format == MH_KV_F16 || a->kv_format == MH_KV_BF16)) {
         w.wid = (int64_t *)((char *)scratch + mh_scratch_stride(a->head_dim, a->v_dim, sizeof(T)));
@@ -1105,9 +1115,12 @@ static FN(kv_rows) FN(kv_in_place)(const mh_attn_args *a, const mh_operand *src,
    prefetchers do not start again from a cold page at every block.  Measured
    on one decode call (12 heads of 64, L=16384, 2 threads, caches evicted
    between calls): float32 -17%, int8 -17 to -26%, int4 -16%, float16 -10%;
-   with the cache warm (L=2048, 1 thread) +4 to +8% for the added instructions.
-   A whole block asked for at once was slower: its misses queue ahead of the
-   loads the loop waits on.  p.row_bytes 0: nothing. */
+   with the cache warm (L=2048, 1 thread) +4 to +8% for the added instructions,
+   so a call whose keys and values take less than MH_PREFETCH_MIN_BYTES (they
+   may well sit in the last-level cache) does not ask: a fused layer's decode
+   step at L=1024 (6 MB of float32 K/V) keeps its time.  A whole block asked
+   for at once was slower: its misses queue ahead of the loads the loop waits
+   on.  p.row_bytes 0: nothing. */
 static inline void FN(prefetch_rows)(FN(kv_rows) p, int64_t j, int64_t n)
 {
     for (int64_t x = j * p.row_bytes; x < (j + n) * p.row_bytes; x += 64) MH_PREFETCH(p.base + x);
@@ -1309,7 +1322,8 @@ static int FN(few_rows_masked_scores)(const mh_attn_args *a, int64_t pair, int64
     if (w->k_in_place) {
         const FN(kv_rows) kr = FN(kv_in_place)(a, &a->k, &a->k_scale, pair, k0);
         const FN(kv_rows) pf = /* this block's values, for the mix */
-            w->v_in_place ? FN(kv_in_place)(a, &a->v, &a->v_scale, pair, k0) : FN(no_rows);
+            w->prefetch && w->v_in_place ? FN(kv_in_place)(a, &a->v, &a->v_scale, pair, k0)
+                                         : FN(no_rows);
 #define MH_DOTS(F) FN(few_rows_dots)(w->qt, ep, w->kpack, nq, kr, nk, E / VW, w->st, F, pf)
         switch (a->kv_format) {
         case MH_KV_F16: MH_DOTS(MH_KV_F16); break;
@@ -1480,7 +1494,7 @@ static void FN(few_rows_mix)(const mh_attn_args *a, int64_t pair, int64_t nq, in
                              int64_t nk, int select, FN(work) *w)
 {
     const int64_t evp = w->evp, nvv = (a->v_dim + VW - 1) / VW;
-    FN(kv_rows) pf = w->k_in_place && k0 + BK + nk <= a->kv_len /* a next block as long */
+    FN(kv_rows) pf = w->prefetch && w->k_in_place && k0 + BK + nk <= a->kv_len /* a next block */
                          ? FN(kv_in_place)(a, &a->k, &a->k_scale, pair, k0 + BK) : FN(no_rows);
     FN(kv_rows) vr;
     int fmt = MH_KV_NATIVE;
