@@ -25,6 +25,9 @@
  *   V_STORE_HALF(p, v)  optional: the same to VW IEEE half values
  *   V_LOAD_I8(p)    optional: VW int8 values converted to V (float paths)
  *   V_LOAD_U4(p)    optional: VW 4-bit values from VW/2 bytes (low nibble first) to V
+ *   V_LOAD_U4_SPLIT(p, lo, hi), V_SPLIT(a, b), V_UNSPLIT(a, b)  optional (VW = 16):
+ *                a group of 32 4-bit values in split order, and two vectors of
+ *                channels to and from that order (see FN(u4_row))
  *   S_HALF_TO_FLOAT(h)  optional: one float16 (bits) to float in an instruction
  *   V_DPBF16(acc, a, b) and VP, VP_LOAD, VP_STORE, VP_SET1, VP_LOW, VP_HIGH,
  *   VP_AS_V, VP_PAIR, VP_INTERLEAVE   optional (float, avx512bf16): the
@@ -393,7 +396,7 @@ static FN(work) FN(carve)(const mh_attn_args *a, int64_t nq, void *scratch)
                                                       : elems * (double)mh_kv_bytes(a->kv_format, sizeof(T));
         w.prefetch = bytes >= MH_PREFETCH_MIN_BYTES;
     }
-    if (!w.few_rows && !w.dp && a->kv_widened_rows >= a->kv_len &&
+    if (!w.few_rows && !w.dp && sizeof(T) == sizeof(float) && a->kv_widened_rows >= a->kv_len &&
         (a->kv_format == MH_KV_F16 || a->kv_format == MH_KV_BF16)) {
         w.wid = (int64_t *)((char *)scratch + mh_scratch_stride(a->head_dim, a->v_dim, sizeof(T)));
         w.kwid = (T *)((char *)w.wid + MH_SCRATCH_ALIGN);
@@ -647,28 +650,44 @@ MH_INLINE void FN(tile_scores)(const T *qt, int64_t E, const void *k, int64_t k_
     }
 }
 
+/* Keys and values [from, to) of pair `pair` widened into this thread's area
+   (w->wid: keys [kv_len][E], values [kv_len][evp] zero padded). */
+static void FN(widen_range)(const mh_attn_args *a, int64_t pair, int64_t from, int64_t to,
+                            FN(work) *w)
+{
+    const int64_t E = a->head_dim, Ev = a->v_dim, evp = w->evp;
+    FN(load_rows)(a, &a->k, &a->k_scale, pair, from, to - from, E, w->kwid + from * E, E);
+    FN(load_rows)(a, &a->v, &a->v_scale, pair, from, to - from, Ev, w->vwid + from * evp, evp);
+    for (int64_t j = from; j < to; ++j)
+        for (int64_t d = Ev; d < evp; ++d) w->vwid[j * evp + d] = 0;
+}
+
+/* Rows [k0, k0 + nk) of pair `pair` widened in this thread's area: the header
+   holds the pair and the rows [lo, hi) already there, which grow to cover
+   each block the pair's next query blocks on this thread ask for, so no row
+   is widened twice (and, with a window, rows no block sees are not). */
+static void FN(widen_block)(const mh_attn_args *a, int64_t pair, int64_t k0, int64_t nk,
+                            FN(work) *w)
+{
+    int64_t *hdr = w->wid; /* pair, lo, hi */
+    if (hdr[0] != pair || hdr[1] >= hdr[2]) {
+        hdr[0] = pair;
+        hdr[1] = hdr[2] = k0;
+    }
+    if (k0 < hdr[1]) {
+        FN(widen_range)(a, pair, k0, hdr[1], w);
+        hdr[1] = k0;
+    }
+    if (k0 + nk > hdr[2]) {
+        FN(widen_range)(a, pair, hdr[2], k0 + nk, w);
+        hdr[2] = k0 + nk;
+    }
+}
+
 /* Step 1: scaled scores of keys [k0, k0+nk) for the item's rows (and the
    vector padding lanes after them), every mask applied (-inf = hidden).
-   Reads the key block in place or copies it into kpack first.  Returns 1 if
-   the user mask may have hidden an entry. */
-/* Keys and values of pair `pair` up to row `upto` widened into this thread's
-   area (w->wid), from where the last block of the same pair stopped: the
-   query blocks of a pair that follow on one thread widen no row again. */
-static void FN(widen_upto)(const mh_attn_args *a, int64_t pair, int64_t upto, FN(work) *w)
-{
-    int64_t *hdr = w->wid;
-    if (hdr[0] != pair) {
-        hdr[0] = pair;
-        hdr[1] = 0;
-    }
-    const int64_t from = hdr[1], E = a->head_dim, Ev = a->v_dim, evp = w->evp;
-    if (upto <= from) return;
-    FN(load_rows)(a, &a->k, &a->k_scale, pair, from, upto - from, E, w->kwid + from * E, E);
-    FN(load_rows)(a, &a->v, &a->v_scale, pair, from, upto - from, Ev, w->vwid + from * evp, evp);
-    for (int64_t j = from; j < upto; ++j)
-        for (int64_t d = Ev; d < evp; ++d) w->vwid[j * evp + d] = 0;
-    hdr[1] = upto;
-}
+   Reads the key block in place, from the thread's widened rows, or copies it
+   into kpack first.  Returns 1 if the user mask may have hidden an entry. */
 
 static int FN(tile_masked_scores)(const mh_attn_args *a, int64_t pair, int64_t q0, int64_t nq,
                                   int64_t nvq, int64_t k0, int64_t nk, FN(work) *w)
@@ -694,7 +713,7 @@ static int FN(tile_masked_scores)(const mh_attn_args *a, int64_t pair, int64_t q
             k = (const T *)a->k.base + a->k.off[pair] + k0 * a->k.row;
             k_row = a->k.row;
         } else if (w->wid) {
-            FN(widen_upto)(a, pair, k0 + nk, w);
+            FN(widen_block)(a, pair, k0, nk, w);
             k = w->kwid + k0 * E;
         } else {
             FN(load_rows)(a, &a->k, &a->k_scale, pair, k0, nk, E, w->kpack, E);
@@ -1087,6 +1106,7 @@ MH_INLINE V FN(kv_vec)(const char *row, int64_t col, const int fmt, const float 
 /* Where the keys (or values) of rows [k0, ...) of a pair are, in place. */
 typedef struct {
     const char *base; int64_t row_bytes; /* row j at base + j * row_bytes */
+    int64_t data_bytes; /* the bytes a row holds (<= row_bytes) */
     const char *scale; int64_t scale_bytes; /* int8 / int4: row j's scale(s) */
 } FN(kv_rows);
 
@@ -1095,8 +1115,10 @@ static FN(kv_rows) FN(kv_in_place)(const mh_attn_args *a, const mh_operand *src,
 {
     const int64_t eb = mh_kv_bytes(a->kv_format, (int64_t)sizeof(T));
     FN(kv_rows) r;
+    const int64_t n = src == &a->k ? a->head_dim : a->v_dim;
     r.base = (const char *)src->base + (src->off[pair] + k0 * src->row) * eb;
     r.row_bytes = src->row * eb;
+    r.data_bytes = a->kv_format == MH_KV_I4 ? n / 2 : n * eb;
     r.scale = 0;
     r.scale_bytes = 0;
     if (a->kv_format == MH_KV_I8 || a->kv_format == MH_KV_I4) {
@@ -1120,13 +1142,14 @@ static FN(kv_rows) FN(kv_in_place)(const mh_attn_args *a, const mh_operand *src,
    may well sit in the last-level cache) does not ask: a fused layer's decode
    step at L=1024 (6 MB of float32 K/V) keeps its time.  A whole block asked
    for at once was slower: its misses queue ahead of the loads the loop waits
-   on.  p.row_bytes 0: nothing. */
+   on.  p.data_bytes 0: nothing. */
 static inline void FN(prefetch_rows)(FN(kv_rows) p, int64_t j, int64_t n)
 {
-    for (int64_t x = j * p.row_bytes; x < (j + n) * p.row_bytes; x += 64) MH_PREFETCH(p.base + x);
+    for (int64_t r = j; r < j + n; ++r)
+        for (int64_t x = 0; x < p.data_bytes; x += 64) MH_PREFETCH(p.base + r * p.row_bytes + x);
 }
 
-static const FN(kv_rows) FN(no_rows) = {0, 0, 0, 0};
+static const FN(kv_rows) FN(no_rows) = {0, 0, 0, 0, 0};
 
 #if defined(V_LOAD_I8) && defined(V_LOAD_U4)
 /* The 4-bit values of n vectors of a stored int4 row, widened as they are (no
@@ -1340,6 +1363,7 @@ static int FN(few_rows_masked_scores)(const mh_attn_args *a, int64_t pair, int64
         kr.row_bytes = ep * (int64_t)sizeof(T);
         kr.scale = 0;
         kr.scale_bytes = 0;
+        kr.data_bytes = 0;
         FN(few_rows_dots)(w->qt, ep, w->kpack, nq, kr, nk, ep / VW, w->st, MH_KV_NATIVE,
                           FN(no_rows));
     }
@@ -1507,6 +1531,7 @@ static void FN(few_rows_mix)(const mh_attn_args *a, int64_t pair, int64_t nq, in
         vr.row_bytes = evp * (int64_t)sizeof(T);
         vr.scale = 0;
         vr.scale_bytes = 0;
+        vr.data_bytes = 0;
     }
     for (int64_t r0 = 0; r0 < nq; r0 += MH_FEW_ROWS) {
         const int64_t R = nq - r0 < MH_FEW_ROWS ? nq - r0 : MH_FEW_ROWS;

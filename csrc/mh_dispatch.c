@@ -59,8 +59,8 @@ void mh_widened_reset(void *thread_scratch, int64_t head_dim, int64_t v_dim)
 {
     int64_t *hdr = (int64_t *)((char *)thread_scratch +
                                mh_scratch_stride(head_dim, v_dim, sizeof(float)));
-    hdr[0] = -1; /* pair */
-    hdr[1] = 0;  /* rows widened */
+    hdr[0] = -1;          /* pair */
+    hdr[1] = hdr[2] = 0;  /* rows [lo, hi) widened */
 }
 
 void *mh_scratch_align(void *raw)

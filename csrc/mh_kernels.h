@@ -212,7 +212,9 @@ typedef struct mh_kernel_table {
      st      [BK][BQ]   one tile of scores, key-major, then its probabilities
      acc     [BQ][evp]  output accumulator
      kpack   [BK][ep]   key block copied contiguous (tile path: first the
-                        item's 16-bit query rows, widened)
+                        item's 16-bit query rows, widened; few-rows path with
+                        int4 keys read in place: the query rows' group sums,
+                        [rows][16])
      vpack   [BK][evp]  value block copied contiguous, zero padded
                         (bfloat16 pair path: [BK/2][evp] words)
      row_max, row_sum, alpha   [BQ]
@@ -226,8 +228,9 @@ typedef struct mh_scratch_layout {
 
 mh_scratch_layout mh_scratch_plan(int64_t head_dim, int64_t v_dim);
 
-/* Bytes between two threads' scratch areas: the plan's size in bytes of
-   `elem_size`, rounded up to MH_SCRATCH_ALIGN. */
+/* The plan's size in bytes of `elem_size`, rounded up to MH_SCRATCH_ALIGN:
+   the bytes between two threads' scratch areas, plus mh_widened_bytes when a
+   run keeps widened rows (mh_attn_args.kv_widened_rows). */
 size_t mh_scratch_stride(int64_t head_dim, int64_t v_dim, size_t elem_size);
 
 /* `raw` rounded up to MH_SCRATCH_ALIGN; allocate MH_SCRATCH_ALIGN extra bytes. */

@@ -86,7 +86,8 @@ def test_half_prefill_is_the_float32_prefill_of_the_same_values(rng, dtype):
     # each thread keeps the key and value rows it widened for a pair, for the pair's later
     # query blocks on that thread: several pairs and query blocks, a sliding window and a
     # padding mask give the bits of the float32 call on the widened arrays, rounded once
-    E, T = 33, 300  # E odd: float32 products on every path (no bfloat16 pairs)
+    E, T = 33, 260  # E odd: float32 products on every path (no bfloat16 pairs); the last
+    # query block has 4 rows (the few-rows path inside the call)
     q, k, v = (normal(rng, (2, 3, T, E)).astype(dtype) for _ in range(3))
     pad = rng.random((2, 1, 1, T)) > 0.1
     pad[..., 0] = True
@@ -291,3 +292,26 @@ def test_quantised_decode_head_sizes(rng, fmt, E):
     ref = oracle.scaled_dot_product_attention(q.astype(np.float64), rep(kd), rep(vd),
                                               attn_mask=visible, scale=E ** -0.5)
     np.testing.assert_allclose(grouped, ref, rtol=0, atol=2e-6)
+
+
+@pytest.mark.parametrize("fmt", ["float32"] + FORMATS)
+def test_decode_over_a_large_cache_reads_ahead_correctly(rng, fmt):
+    """A decode call whose keys and values take 8 MB or more asks the memory for rows
+    ahead of the ones it reads: over such a cache (float32 and float16 keys and values
+    interleaved by head, so a row's stride is longer than its data) the result is the
+    attention over the stored values."""
+    H, S, E = 16, 8200, 64  # int4: 8.4 MB of keys and values, float32 67 MB
+    q = normal(rng, (1, H, 1, E), np.float32)
+    by_token = [normal(rng, (1, S, H, E), np.float32) for _ in range(2)]
+    if fmt in ("float32", "float16"):
+        k, v = (a.astype(cache_dtype(fmt)).transpose(0, 2, 1, 3) for a in by_token)
+        ks = vs = None
+        kd, vd = (a.astype(np.float64) for a in (k, v))
+    else:
+        (k, ks), (v, vs) = (quantize(np.ascontiguousarray(a.transpose(0, 2, 1, 3)), fmt)
+                            for a in by_token)
+        kd, vd = (dequantize(a, s, fmt).astype(np.float64) for a, s in ((k, ks), (v, vs)))
+    got = _core.attention(q, k, v, k_scale=ks, v_scale=vs, scale=0.125, num_threads=2,
+                          causal_offset=S - 1)
+    ref = oracle.scaled_dot_product_attention(q.astype(np.float64), kd, vd, scale=0.125)
+    np.testing.assert_allclose(got, ref, rtol=0, atol=2e-6)

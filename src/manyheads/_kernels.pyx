@@ -150,12 +150,13 @@ I4_GROUP = MH_I4_GROUP
 BLOCK_Q = MH_BLOCK_Q
 BLOCK_K = MH_BLOCK_K
 FEW_ROWS = MH_FEW_ROWS
+# bytes of widened keys and values all threads together may keep in a half-precision
+# prefill (each thread: the rows of the pair it last served, see mh_widened_bytes)
+cdef size_t WIDENED_BYTES = 64 << 20
 LINEAR_COLS = MH_LINEAR_COLS
 SIGNAL_CHECK_SECONDS = 0.05  # how often a long call looks for Ctrl-C
 # Work (multiply-adds) below which a call runs on the calling thread alone: waking
 # the pool costs more than the split saves.
-# bytes of widened keys and values each thread may keep in a half-precision prefill
-cdef size_t WIDENED_BYTES = 32 << 20
 cdef double _serial_work = 524288
 SERIAL_WORK = _serial_work
 
@@ -615,12 +616,12 @@ cdef class AttentionCall:
                             * (self.a.head_dim + self.a.v_dim))
         job.stride = mh_scratch_stride(self.a.head_dim, self.a.v_dim, elem)
         # prefill over float16 / bfloat16 keys and values: each thread keeps the rows it
-        # widened for a pair, for that pair's next query blocks (up to WIDENED_BYTES)
+        # widened for a pair, for that pair's next query blocks (WIDENED_BYTES in all)
         self.a.kv_widened_rows = 0
         if (split_keys == 0 and not self.is_f64 and self.a.group == 1
                 and q_len > MH_BLOCK_Q
                 and (self.a.kv_format == MH_KV_F16 or self.a.kv_format == MH_KV_BF16)
-                and mh_widened_bytes(self.a.head_dim, self.a.v_dim, self.a.kv_len)
+                and mh_widened_bytes(self.a.head_dim, self.a.v_dim, self.a.kv_len) * nt
                 <= WIDENED_BYTES):
             self.a.kv_widened_rows = self.a.kv_len
             job.stride += mh_widened_bytes(self.a.head_dim, self.a.v_dim, self.a.kv_len)
