@@ -1145,8 +1145,8 @@ static FN(kv_rows) FN(kv_in_place)(const mh_attn_args *a, const mh_operand *src,
    on.  p.data_bytes 0: nothing. */
 static inline void FN(prefetch_rows)(FN(kv_rows) p, int64_t j, int64_t n)
 {
-    for (int64_t r = j; r < j + n; ++r)
-        for (int64_t x = 0; x < p.data_bytes; x += 64) MH_PREFETCH(p.base + r * p.row_bytes + x);
+    for (int64_t x = 0; x < p.data_bytes; x += 64) /* (one compare when there is nothing) */
+        for (int64_t r = j; r < j + n; ++r) MH_PREFETCH(p.base + r * p.row_bytes + x);
 }
 
 static const FN(kv_rows) FN(no_rows) = {0, 0, 0, 0, 0};
