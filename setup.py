@@ -1,10 +1,14 @@
 """Build of manyheads' one extension, ``manyheads._kernels``.
 
-* The C kernels in ``csrc/`` are compiled file by file: the baseline and the
-  dispatcher with no ISA flags, ``mh_avx2.c``, ``mh_avx512.c`` and
-  ``mh_avx512bf16.c`` (the AVX-512 kernels again, with AVX512-BF16) with their
-  own target flags.  The run-time dispatcher picks one; nothing is tuned to
-  the build machine's CPU and no AVX code exists outside the per-ISA files.
+* The C kernels in ``csrc/`` are compiled file by file, in parallel: each
+  kernel path's file with the target flags ``csrc/mh_isa_list.h`` gives it
+  (on an x86-64 target; elsewhere with none, and the x86 files then hold
+  empty tables), every other file (the dispatcher, the planner, the
+  projection tiles, the quantiser) with no ISA flags.  The run-time
+  dispatcher picks one path; nothing is tuned to the build machine's CPU and
+  no AVX code exists outside the per-ISA files.  A kernel file whose flags
+  the compiler rejects is built without them if it can be (the avx512bf16
+  file then holds no path).
   Host-tuning flags (``-march=...``, ``-mtune=...``, ``-mcpu=...``) that an
   environment's CFLAGS would add are removed, so a wheel built on a new CPU
   still runs on an old one.
@@ -15,11 +19,13 @@
 """
 import os
 import platform
+import re
 import shutil
 import subprocess
 import sys
 import sysconfig
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 from Cython.Build import cythonize
@@ -29,6 +35,26 @@ from setuptools.errors import CompileError
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 CSRC = "csrc"
+
+
+def isa_flags(csrc=CSRC):
+    """{file: (gcc/clang flags, MSVC flags)} of every kernel path in MH_ISA_LIST, best first."""
+    with open(os.path.join(csrc, "mh_isa_list.h")) as fh:
+        text = fh.read()
+    body = text[text.index("#define MH_ISA_LIST(X)"):].replace("\\\n", " ")
+    entries = re.findall(r'X\(\s*\w+\s*,\s*\w+\s*,[^"]*"([^"]+)"\s*,\s*"([^"]*)"\s*,\s*"([^"]*)"\s*\)',
+                         body)
+    if not entries:
+        raise RuntimeError("no kernel path found in csrc/mh_isa_list.h")
+    return {file: (gcc.split(), msvc.split()) for file, gcc, msvc in entries}
+
+
+def c_sources(x86=True, msvc=False, csrc=CSRC):
+    """(file, flags) for every C file of csrc/: a kernel path's file with its target
+    flags on an x86-64 target, everything else with none."""
+    flags = isa_flags(csrc)
+    return [(f, list(flags[f][1 if msvc else 0]) if x86 and f in flags else [])
+            for f in sorted(os.listdir(csrc)) if f.endswith(".c")]
 
 
 def _is_x86_target():
@@ -106,47 +132,39 @@ class BuildExt(build_ext):
         if dropped:
             print(f"manyheads: ignoring host-tuning flags {sorted(dropped)} (portable build)")
 
-    def _compile_isa(self, fname, base, flags):
-        """Object files of one ISA source; a compiler that rejects the AVX512-BF16
-        flags builds mh_avx512bf16.c without them (it then holds no such path)."""
+    def _compile_c(self, fname, base, flags):
+        """Object files of one csrc/ file; a kernel file whose target flags the
+        compiler rejects is compiled without them, which only a file that guards
+        itself on the ISA's macros survives (it then holds an empty table)."""
         def compile_with(extra):
             return self.compiler.compile(
                 [os.path.join(CSRC, fname)], output_dir=self.build_temp, include_dirs=[CSRC],
                 extra_postargs=base + extra,
-                depends=[os.path.join(CSRC, h) for h in
-                         ("mh_kernels.h", "mh_attention_impl.h", "mh_linear_impl.h",
-                          "mh_isa_end.h", "mh_exp.h", "mh_avx512.c")])
+                depends=[os.path.join(CSRC, h) for h in os.listdir(CSRC) if h.endswith(".h")])
         try:
             return compile_with(flags)
         except CompileError:
-            if fname != "mh_avx512bf16.c" or self._msvc():
+            if not flags:
                 raise
-            print("manyheads: the compiler has no AVX512-BF16; building without that path")
-            return compile_with([f for f in flags if f not in ("-mavx512bw", "-mavx512bf16")])
+            print(f"manyheads: the compiler rejects {' '.join(flags)}; building {fname} "
+                  "without them")
+            return compile_with([])
 
     def build_extensions(self):
         msvc = self._msvc()
         if not msvc:
             self._drop_host_tuning()
         base = ["/O2"] if msvc else ["-O3", "-std=c99", "-fno-strict-aliasing"]
-        isa_flags = {"mh_baseline.c": [], "mh_dispatch.c": [], "mh_linear.c": [],
-                     "mh_quantize.c": []}
-        if _is_x86_target():
-            if msvc:
-                isa_flags["mh_avx2.c"] = ["/arch:AVX2"]
-                isa_flags["mh_avx512.c"] = ["/arch:AVX512"]
-                isa_flags["mh_avx512bf16.c"] = ["/arch:AVX512"]
-            else:
-                isa_flags["mh_avx2.c"] = ["-mavx2", "-mfma", "-mf16c"]
-                isa_flags["mh_avx512.c"] = ["-mavx512f", "-mavx2", "-mfma", "-mf16c"]
-                isa_flags["mh_avx512bf16.c"] = isa_flags["mh_avx512.c"] + [
-                    "-mavx512bw", "-mavx512bf16"]
+        sources = c_sources(_is_x86_target(), msvc)
         omp = self._openmp_flags()
         self.manyheads_openmp = omp is not None
         for ext in self.extensions:
-            objects = []
-            for fname, flags in isa_flags.items():
-                objects += self._compile_isa(fname, base, flags)
+            # the first file alone (the compiler object sets itself up), the rest in parallel
+            objects = self._compile_c(sources[0][0], base, sources[0][1])
+            with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+                for objs in pool.map(lambda src: self._compile_c(src[0], base, src[1]),
+                                     sources[1:]):
+                    objects += objs
             ext.extra_objects = objects + list(ext.extra_objects or [])
             if omp is not None:
                 ext.extra_compile_args = list(ext.extra_compile_args or []) + omp[0]
@@ -165,7 +183,8 @@ extensions = [
     )
 ]
 
-setup(
-    ext_modules=cythonize(extensions, language_level=3),
-    cmdclass={"build_ext": BuildExt},
-)
+if __name__ == "__main__":  # (tools/check_cross.sh imports c_sources from here)
+    setup(
+        ext_modules=cythonize(extensions, language_level=3, include_path=["src"]),
+        cmdclass={"build_ext": BuildExt},
+    )

@@ -143,7 +143,7 @@ static inline __m128i mh_to_bf16_avx2(__m256 x)
     _mm_storeu_ps((dst), _mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)(src))))
 #define V_NEG_INF_TO_ZERO(x) \
     _mm256_andnot_ps(_mm256_cmp_ps((x), _mm256_set1_ps(-INFINITY), _CMP_EQ_OQ), (x))
-/* hidden entries (mh_attention_impl.h): blendv selects on the sign bit */
+/* hidden entries (mh_common.h): blendv selects on the sign bit */
 #define V_MARK_HIDDEN(p, s)                                \
     _mm256_blendv_ps((p), _mm256_set1_ps(-0.0f),           \
                      _mm256_cmp_ps((s), _mm256_set1_ps(-INFINITY), _CMP_EQ_OQ))
@@ -195,9 +195,20 @@ static inline __m256 mh_exp2_f32_avx2(__m256 x)
 }
 #define V_EXP2(x) mh_exp2_f32_avx2(x)
 
-#include "mh_attention_impl.h"
-#include "mh_linear_impl.h"
-#include "mh_isa_end.h"
+/* what this instantiation can do (mh_instance.h) */
+#define MH_HAS_EXP2 1
+#define MH_HAS_TRANSPOSE 1
+#define MH_HAS_HSUM4 1
+#define MH_HAS_SELECT 1
+#define MH_HAS_F16_LOAD 1
+#define MH_HAS_BF16_LOAD 1
+#define MH_HAS_I8_LOAD 1
+#define MH_HAS_U4_LOAD 1
+#define MH_HAS_U4_SPLIT 0
+#define MH_HAS_HALF_STORE 1
+#define MH_HAS_HALF_SCALAR 1
+#define MH_HAS_BF16_DOT 0
+#include "mh_instance.h"
 
 /* ---------------------------------------------------------------- float64 */
 #define T double
@@ -267,13 +278,22 @@ static inline __m256d mh_exp2_f64_avx2(__m256d x)
 }
 #define V_EXP2(x) mh_exp2_f64_avx2(x)
 
-#include "mh_attention_impl.h"
-#include "mh_linear_impl.h"
-#include "mh_isa_end.h"
+/* what this instantiation can do (mh_instance.h) */
+#define MH_HAS_EXP2 1
+#define MH_HAS_TRANSPOSE 1
+#define MH_HAS_HSUM4 1
+#define MH_HAS_SELECT 1
+#define MH_HAS_F16_LOAD 0
+#define MH_HAS_BF16_LOAD 0
+#define MH_HAS_I8_LOAD 0
+#define MH_HAS_U4_LOAD 0
+#define MH_HAS_U4_SPLIT 0
+#define MH_HAS_HALF_STORE 0
+#define MH_HAS_HALF_SCALAR 0
+#define MH_HAS_BF16_DOT 0
+#include "mh_instance.h"
 
-const mh_kernel_table mh_table_avx2 = {
-    "avx2", mh_block_item_f32_avx2, mh_block_item_f64_avx2, mh_split_item_f32_avx2,
-    mh_split_item_f64_avx2, mh_merge_item_f32_avx2, mh_merge_item_f64_avx2,
-    mh_linear_rows_item_f32_avx2, mh_linear_rows_item_f64_avx2,
-    mh_exp_array_f32_avx2, mh_exp_array_f64_avx2};
+MH_KERNEL_TABLE(avx2)
+#else
+MH_EMPTY_TABLE(avx2)
 #endif

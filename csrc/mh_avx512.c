@@ -5,7 +5,8 @@
  *
  * mh_avx512bf16.c compiles it a second time with MH_AVX512_DPBF16 defined
  * (and AVX512-BW and AVX512-BF16 enabled): the same kernels under the suffix
- * _avx512bf16, plus the bfloat16 pair-dot tile path (V_DPBF16 below).
+ * _avx512bf16, plus the bfloat16 pair-product tile path (MH_HAS_BF16_DOT,
+ * the VP vocabulary below).
  */
 #include "mh_kernels.h"
 
@@ -131,7 +132,7 @@ static inline void mh_transpose_f64_avx512(__m512d r[8])
     _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(p))), 16))
 #define V_LOAD_I8(p) _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p))))
 #define V_LOAD_U4(p) mh_load_u4_avx512((const uint8_t *)(p))
-/* int4 groups in split order (mh_attention_impl.h, FN(u4_row)) */
+/* int4 groups in split order (mh_few_rows.h, FN(u4_row)) */
 #define V_LOAD_U4_SPLIT(p, lo, hi) mh_load_u4_split_avx512((const uint8_t *)(p), &(lo), &(hi))
 #define V_SPLIT(a, b) mh_split_avx512(&(a), &(b))
 #define V_UNSPLIT(a, b) mh_unsplit_avx512(&(a), &(b))
@@ -144,7 +145,7 @@ static inline void mh_transpose_f64_avx512(__m512d r[8])
 #define V_NEG_INF_TO_ZERO(x) \
     _mm512_mask_blend_ps(_mm512_cmp_ps_mask((x), _mm512_set1_ps(-INFINITY), _CMP_EQ_OQ), (x), \
                          _mm512_setzero_ps())
-/* hidden entries (mh_attention_impl.h): lanes whose sign bit is clear are visible */
+/* hidden entries (mh_common.h): lanes whose sign bit is clear are visible */
 #define V_MARK_HIDDEN(p, s) \
     _mm512_mask_mov_ps((p), _mm512_cmp_ps_mask((s), _mm512_set1_ps(-INFINITY), _CMP_EQ_OQ), \
                        _mm512_set1_ps(-0.0f))
@@ -284,9 +285,25 @@ static inline void mh_interleave_bf16_avx512(uint32_t *dst, const uint16_t *r0,
 }
 #endif
 
-#include "mh_attention_impl.h"
-#include "mh_linear_impl.h"
-#include "mh_isa_end.h"
+/* what this instantiation can do (mh_instance.h); 16 lanes read an int4 group
+   in split order, and the avx512bf16 build adds bfloat16 pair products */
+#define MH_HAS_EXP2 1
+#define MH_HAS_TRANSPOSE 1
+#define MH_HAS_HSUM4 1
+#define MH_HAS_SELECT 1
+#define MH_HAS_F16_LOAD 1
+#define MH_HAS_BF16_LOAD 1
+#define MH_HAS_I8_LOAD 1
+#define MH_HAS_U4_LOAD 1
+#define MH_HAS_U4_SPLIT 1
+#define MH_HAS_HALF_STORE 1
+#define MH_HAS_HALF_SCALAR 1
+#ifdef MH_AVX512_DPBF16
+#define MH_HAS_BF16_DOT 1
+#else
+#define MH_HAS_BF16_DOT 0
+#endif
+#include "mh_instance.h"
 
 /* ---------------------------------------------------------------- float64 */
 #define T double
@@ -351,13 +368,26 @@ static inline __m512d mh_exp2_f64_avx512(__m512d x)
 }
 #define V_EXP2(x) mh_exp2_f64_avx512(x)
 
-#include "mh_attention_impl.h"
-#include "mh_linear_impl.h"
-#include "mh_isa_end.h"
+/* what this instantiation can do (mh_instance.h) */
+#define MH_HAS_EXP2 1
+#define MH_HAS_TRANSPOSE 1
+#define MH_HAS_HSUM4 1
+#define MH_HAS_SELECT 1
+#define MH_HAS_F16_LOAD 0
+#define MH_HAS_BF16_LOAD 0
+#define MH_HAS_I8_LOAD 0
+#define MH_HAS_U4_LOAD 0
+#define MH_HAS_U4_SPLIT 0
+#define MH_HAS_HALF_STORE 0
+#define MH_HAS_HALF_SCALAR 0
+#define MH_HAS_BF16_DOT 0
+#include "mh_instance.h"
 
-const mh_kernel_table MH_SFX(mh_table) = {
-    MH_PATH_NAME, MH_SFX(mh_block_item_f32), MH_SFX(mh_block_item_f64), MH_SFX(mh_split_item_f32),
-    MH_SFX(mh_split_item_f64), MH_SFX(mh_merge_item_f32), MH_SFX(mh_merge_item_f64),
-    MH_SFX(mh_linear_rows_item_f32), MH_SFX(mh_linear_rows_item_f64),
-    MH_SFX(mh_exp_array_f32), MH_SFX(mh_exp_array_f64)};
+#ifdef MH_AVX512_DPBF16
+MH_KERNEL_TABLE(avx512bf16)
+#else
+MH_KERNEL_TABLE(avx512)
+#endif
+#else
+MH_EMPTY_TABLE(avx512)
 #endif

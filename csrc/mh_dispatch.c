@@ -1,18 +1,14 @@
 /*
  * Run-time selection of the kernel path: which ISA files were compiled in,
  * and whether this CPU (and its OS, which must save the wider registers on a
- * context switch) can run them.  Also the one plan of a work item's scratch.
+ * context switch) can run them, all from MH_ISA_LIST.  Also the storage
+ * format table for the Python side.
  * Compiled without any ISA flags.
  */
 #include "mh_kernels.h"
 
-extern const mh_kernel_table mh_table_baseline;
 #if defined(__x86_64__) || defined(_M_X64)
 #define MH_X86 1
-extern const mh_kernel_table mh_table_avx2;
-extern const mh_kernel_table mh_table_avx512;
-extern const mh_kernel_table mh_table_avx512bf16;
-extern const int mh_avx512bf16_built; /* 0 if the compiler had no AVX512-BF16 */
 #if defined(_MSC_VER)
 #include <intrin.h>
 #else
@@ -20,68 +16,31 @@ extern const int mh_avx512bf16_built; /* 0 if the compiler had no AVX512-BF16 */
 #endif
 #endif
 
-#define MH_ROUND16(n) (((n) + 15) / 16 * 16)
+/* The kernel tables, one per entry of MH_ISA_LIST (empty when not built). */
+#define MH_ISA_TABLE_DECL(ID, sfx, needs, file, flags, msvc) extern const mh_kernel_table mh_table_##sfx;
+MH_ISA_LIST(MH_ISA_TABLE_DECL)
+#undef MH_ISA_TABLE_DECL
 
-mh_scratch_layout mh_scratch_plan(int64_t head_dim, int64_t v_dim)
-{
-    mh_scratch_layout s;
-    s.ep = MH_ROUND16(head_dim);
-    s.evp = MH_ROUND16(v_dim);
-    s.qt = 0;
-    /* the tile path keeps the query block transposed (head_dim x BLOCK_Q), the few-rows
-       path as up to BLOCK_Q rows of ep (grouped decode): room for the larger */
-    s.st = s.qt + MH_BLOCK_Q * s.ep;
-    s.acc = s.st + (int64_t)MH_BLOCK_K * MH_BLOCK_Q;
-    s.kpack = s.acc + (int64_t)MH_BLOCK_Q * s.evp;
-    s.vpack = s.kpack + (int64_t)MH_BLOCK_K * s.ep;
-    s.row_max = s.vpack + (int64_t)MH_BLOCK_K * s.evp;
-    s.row_sum = s.row_max + MH_BLOCK_Q;
-    s.alpha = s.row_sum + MH_BLOCK_Q;
-    s.pt2 = s.alpha + MH_BLOCK_Q;
-    s.elems = s.pt2 + (int64_t)MH_BLOCK_K / 2 * MH_BLOCK_Q;
-    return s;
-}
+#define MH_ISA_TABLE_PTR(ID, sfx, needs, file, flags, msvc) &mh_table_##sfx,
+static const mh_kernel_table *const mh_tables[MH_ISA_COUNT] = {MH_ISA_LIST(MH_ISA_TABLE_PTR)};
+#undef MH_ISA_TABLE_PTR
 
-size_t mh_scratch_stride(int64_t head_dim, int64_t v_dim, size_t elem_size)
-{
-    const size_t bytes = (size_t)mh_scratch_plan(head_dim, v_dim).elems * elem_size;
-    return (bytes + MH_SCRATCH_ALIGN - 1) / MH_SCRATCH_ALIGN * MH_SCRATCH_ALIGN;
-}
+#define MH_ISA_NAME(ID, sfx, needs, file, flags, msvc) #sfx,
+static const char *const mh_isa_names[MH_ISA_COUNT] = {MH_ISA_LIST(MH_ISA_NAME)};
+#undef MH_ISA_NAME
 
-size_t mh_widened_bytes(int64_t head_dim, int64_t v_dim, int64_t rows)
-{
-    const size_t bytes = MH_SCRATCH_ALIGN +
-                         (size_t)rows * (size_t)(head_dim + MH_ROUND16(v_dim)) * sizeof(float);
-    return (bytes + MH_SCRATCH_ALIGN - 1) / MH_SCRATCH_ALIGN * MH_SCRATCH_ALIGN;
-}
+#define MH_ISA_NEEDS(ID, sfx, needs, file, flags, msvc) needs,
+static const unsigned mh_isa_needs[MH_ISA_COUNT] = {MH_ISA_LIST(MH_ISA_NEEDS)};
+#undef MH_ISA_NEEDS
 
-void mh_widened_reset(void *thread_scratch, int64_t head_dim, int64_t v_dim)
-{
-    int64_t *hdr = (int64_t *)((char *)thread_scratch +
-                               mh_scratch_stride(head_dim, v_dim, sizeof(float)));
-    hdr[0] = -1;          /* pair */
-    hdr[1] = hdr[2] = 0;  /* rows [lo, hi) widened */
-}
-
-void *mh_scratch_align(void *raw)
-{
-    const uintptr_t p = (uintptr_t)raw;
-    return (void *)((p + MH_SCRATCH_ALIGN - 1) / MH_SCRATCH_ALIGN * MH_SCRATCH_ALIGN);
-}
-
-static const char *const mh_isa_names[MH_ISA_COUNT] = {"baseline", "avx2", "avx512",
-                                                       "avx512bf16"};
-static const int mh_isa_preference[MH_ISA_COUNT] = {MH_ISA_AVX512BF16, MH_ISA_AVX512, MH_ISA_AVX2,
-                                                    MH_ISA_BASELINE};
+#define MH_STORAGE_ROW(ID, name, dtype, bits, scales, group) \
+    {name, dtype, MH_STORE_##ID, bits, scales, group},
+const mh_storage_info mh_storage_table[MH_STORAGE_COUNT] = {MH_STORAGE_LIST(MH_STORAGE_ROW)};
+#undef MH_STORAGE_ROW
 
 const char *mh_isa_name(int isa)
 {
     return isa >= 0 && isa < MH_ISA_COUNT ? mh_isa_names[isa] : 0;
-}
-
-int mh_isa_by_preference(int rank)
-{
-    return rank >= 0 && rank < MH_ISA_COUNT ? mh_isa_preference[rank] : -1;
 }
 
 #ifdef MH_X86
@@ -137,38 +96,29 @@ mh_cpu_features mh_cpu_detect(void)
     return f;
 }
 
-int mh_cpu_supports(int isa)
+/* The MH_CPU_* features (mh_isa_list.h) this CPU and its OS provide. */
+static unsigned mh_cpu_feature_bits(void)
 {
     const mh_cpu_features f = mh_cpu_detect();
-    const int avx2 = f.avx && f.os_ymm && f.avx2 && f.fma && f.f16c;
-    switch (isa) {
-    case MH_ISA_BASELINE: return 1;
-    case MH_ISA_AVX2: return avx2;
-    case MH_ISA_AVX512: return avx2 && f.os_zmm && f.avx512f;
-    case MH_ISA_AVX512BF16: return avx2 && f.os_zmm && f.avx512f && f.avx512bw && f.avx512bf16;
-    default: return 0;
-    }
+    unsigned bits = 0;
+    if (f.avx && f.os_ymm && f.avx2 && f.fma && f.f16c) bits |= MH_CPU_AVX2;
+    if (f.os_zmm && f.avx512f) bits |= MH_CPU_AVX512;
+    if (f.avx512bw && f.avx512bf16) bits |= MH_CPU_AVX512BF16;
+    return bits;
+}
+
+int mh_cpu_supports(int isa)
+{
+    if (isa < 0 || isa >= MH_ISA_COUNT) return 0;
+    return (mh_cpu_feature_bits() & mh_isa_needs[isa]) == mh_isa_needs[isa];
 }
 
 int mh_isa_compiled(int isa)
 {
-#ifdef MH_X86
-    if (isa == MH_ISA_AVX512BF16) return mh_avx512bf16_built;
-    return isa >= 0 && isa < MH_ISA_COUNT;
-#else
-    return isa == MH_ISA_BASELINE;
-#endif
+    return isa >= 0 && isa < MH_ISA_COUNT && mh_tables[isa]->name != 0;
 }
 
 const mh_kernel_table *mh_kernels(int isa)
 {
-    switch (isa) {
-    case MH_ISA_BASELINE: return &mh_table_baseline;
-#ifdef MH_X86
-    case MH_ISA_AVX2: return &mh_table_avx2;
-    case MH_ISA_AVX512: return &mh_table_avx512;
-    case MH_ISA_AVX512BF16: return mh_avx512bf16_built ? &mh_table_avx512bf16 : 0;
-#endif
-    default: return 0;
-    }
+    return mh_isa_compiled(isa) ? mh_tables[isa] : 0;
 }

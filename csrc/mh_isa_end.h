@@ -1,5 +1,6 @@
-/* End of one (ISA, scalar type) instantiation: the macros are consumed, the
-   next instantiation redefines them. */
+/* End of one (ISA, float type) instantiation (mh_instance.h): the vocabulary
+   and the capabilities are consumed; the next instantiation defines them
+   again.  (#undef of a name that was never defined is allowed.) */
 #undef BQ
 #undef BK
 #undef T
@@ -29,38 +30,17 @@
 #undef VM
 #undef V_VISIBLE
 #undef V_FMA_VISIBLE
-#ifdef V_LOAD_HALF
 #undef V_LOAD_HALF
-#endif
-#ifdef V_LOAD_BF16
 #undef V_LOAD_BF16
-#endif
-#ifdef V_STORE_BF16
 #undef V_STORE_BF16
-#endif
-#ifdef V_STORE_HALF
 #undef V_STORE_HALF
-#endif
-#ifdef V_LOAD_I8
 #undef V_LOAD_I8
-#endif
-#ifdef V_LOAD_U4
 #undef V_LOAD_U4
-#endif
-#undef MH_I4_SPLIT
-#ifdef V_LOAD_U4_SPLIT
 #undef V_LOAD_U4_SPLIT
 #undef V_SPLIT
 #undef V_UNSPLIT
-#endif
-#ifdef S_HALF_TO_FLOAT
 #undef S_HALF_TO_FLOAT
-#endif
-#ifdef S4_HALF_TO_FLOAT
 #undef S4_HALF_TO_FLOAT
-#endif
-#undef MH_HALF_TO_FLOAT
-#ifdef V_DPBF16
 #undef V_DPBF16
 #undef VP
 #undef VP_LOAD
@@ -71,4 +51,19 @@
 #undef VP_AS_V
 #undef VP_PAIR
 #undef VP_INTERLEAVE
-#endif
+#undef MH_HALF_TO_FLOAT
+#undef MH_EXP2
+#undef MH_I4_SPLIT
+#undef MH_MIX_PAIR
+#undef MH_HAS_EXP2
+#undef MH_HAS_TRANSPOSE
+#undef MH_HAS_HSUM4
+#undef MH_HAS_SELECT
+#undef MH_HAS_F16_LOAD
+#undef MH_HAS_BF16_LOAD
+#undef MH_HAS_I8_LOAD
+#undef MH_HAS_U4_LOAD
+#undef MH_HAS_U4_SPLIT
+#undef MH_HAS_HALF_STORE
+#undef MH_HAS_HALF_SCALAR
+#undef MH_HAS_BF16_DOT

@@ -17,7 +17,9 @@
  * and write only the output rows (and weight rows) of their own work item, so
  * any number of work items may run concurrently and the result does not depend
  * on how they are scheduled.  No validation happens here: the Python layer
- * checks shapes, dtypes, strides and alignment before calling.
+ * checks shapes, dtypes, strides and alignment before calling.  What a call
+ * does (schedule, path and reads of each kind of item, threads, scratch) is
+ * decided once, by mh_plan_attention, and read by every item.
  *
  * This header is plain C99 and has no Python dependency.
  */
@@ -40,32 +42,22 @@ extern "C" {
 #define MH_RESTRICT restrict
 #endif
 
+#include "mh_formats.h"
+#include "mh_isa_list.h"
+
 #define MH_BLOCK_Q 64   /* query rows per work item */
 #define MH_BLOCK_K 64   /* keys per streamed block */
 #define MH_FEW_ROWS 4   /* up to this many rows take the few-rows paths (decode) */
 #define MH_SCRATCH_ALIGN 64 /* bytes; every scratch part starts on such a boundary */
+#define MH_I4_MAX_GROUPS 16 /* int4 rows read in place have at most this many groups
+                               (head sizes up to 512) */
 
 enum mh_mask_kind { MH_MASK_NONE = 0, MH_MASK_BOOL = 1, MH_MASK_ADD = 2 };
 
-/* Storage of keys and values (formats other than NATIVE: float32 kernels only).
-   Each is widened to the kernel's type as it is read, block by block; the
-   cache is never copied out whole.
-     NATIVE  the kernel's float type
-     F16     IEEE half (uint16 bits)
-     BF16    bfloat16 (uint16 bits: the high half of a float32)
-     I8      int8, symmetric: value = q * scale, one float32 scale per row
-             (token): k_scale/v_scale rows hold 1 float
-     I4      4-bit, asymmetric in groups of MH_I4_GROUP channels: byte c of a
-             row holds channels 2c (low nibble) and 2c+1 (high nibble), each
-             value = q * scale + min; k_scale/v_scale rows hold (scale, min)
-             float16 pairs (uint16 bits), one per group */
-enum mh_kv_format { MH_KV_NATIVE = 0, MH_KV_F16 = 1, MH_KV_BF16 = 2, MH_KV_I8 = 3,
-                    MH_KV_I4 = 4 };
-#define MH_I4_GROUP 32
-
-/* Kernel paths, in no particular order; mh_isa_by_preference() ranks them. */
-enum mh_isa { MH_ISA_BASELINE = 0, MH_ISA_AVX2 = 1, MH_ISA_AVX512 = 2, MH_ISA_AVX512BF16 = 3,
-              MH_ISA_COUNT = 4 };
+/* Kernel paths: enum mh_isa { MH_ISA_AVX512BF16, ..., MH_ISA_BASELINE }, best first. */
+#define MH_ISA_ENUM(ID, sfx, needs, file, flags, msvc) MH_ISA_##ID,
+enum mh_isa { MH_ISA_LIST(MH_ISA_ENUM) MH_ISA_COUNT };
+#undef MH_ISA_ENUM
 
 /* One operand: see "Layout" above. */
 typedef struct mh_operand {
@@ -84,35 +76,116 @@ typedef struct mh_causal {
     int64_t window; /* 0: none */
 } mh_causal;
 
-/* Split-key schedule for a few query rows against many keys: keys cut into
-   n_split ranges of split_keys, each attended on its own (mh_split_fn), then
-   merged in range order (mh_merge_fn).  Partial buffers, kernel float type:
-   acc (n_pairs, n_split, L, Ev), row max and row sum (n_pairs, n_split, L). */
-typedef struct mh_key_split {
-    int64_t n_split, split_keys;
+/* ---- the plan of one call --------------------------------------------------
+
+   What a call does is decided once, by mh_plan_attention (mh_plan.c), before
+   any work item runs; the items read the plan and decide nothing.
+
+   Schedules.  Block: every (pair, query block of up to MH_BLOCK_Q rows) is an
+   item (mh_block_fn).  Split (a few query rows against many keys): every
+   (pair, key range of split_keys keys) is an item (mh_split_fn) that writes
+   partial (output, row max, row sum) triples, and a second pass merges each
+   pair's ranges in range order (mh_merge_fn).
+
+   Paths.  An item of a few rows (decode) takes the few-rows path: scores per
+   row, keys and values read in place where their format and width allow.
+   Larger items take the tile path (the query block transposed, scores key-
+   major), or its bfloat16 pair-product variant (vdpbf16ps) where the ISA has
+   one and the queries, keys and values are all bfloat16. */
+enum mh_path { MH_PATH_TILE = 0, MH_PATH_PAIRS = 1, MH_PATH_FEW_ROWS = 2 };
+
+/* How an item reads a key or value block: in place (strided rows, widened
+   as they load), copied (widened) into the item's scratch block by block, or
+   from the rows its thread keeps widened for the pair (half-precision tile
+   path, kept across the pair's query blocks). */
+enum mh_read { MH_READ_IN_PLACE = 0, MH_READ_COPIED = 1, MH_READ_WIDENED = 2 };
+
+/* The items of one kind. */
+typedef struct mh_item_plan {
+    int64_t rows;       /* query rows of such an item */
+    int path;           /* enum mh_path */
+    int k_read, v_read; /* enum mh_read */
+} mh_item_plan;
+
+typedef struct mh_plan {
+    int64_t n_pairs;    /* pairs the items serve: (batch, query head), or
+                           (batch, kv head) when query heads are grouped */
+    int64_t group;      /* query heads served together by one item (1: none) */
+    int64_t n_blocks;   /* query blocks per pair (block schedule) */
+    int64_t n_split;    /* key ranges per pair; 0: block schedule */
+    int64_t split_keys; /* keys per range */
+    int64_t n_items;    /* items of the first pass */
+    mh_item_plan item[2]; /* [0] every item, except [1] a pair's last query
+                             block in the block schedule */
+    int threads;        /* OpenMP threads of the first pass */
+    int merge_threads;  /* ... and of the merge pass */
+    int prefetch;       /* the few-rows path asks for rows ahead (large K/V) */
+    int64_t widened_rows; /* tile path over float16/bfloat16 K/V: rows each
+                             thread keeps widened (kv_len), 0: none */
+    size_t scratch_stride; /* bytes between two threads' scratch areas */
+    size_t partial_elems;  /* split schedule: partial results, elements of
+                              the kernel's float type (acc, max, sum) */
+    double work;        /* multiply-adds of the call (scores and mix) */
+} mh_plan;
+
+/* What the planner needs to know of a call (no data pointers). */
+typedef struct mh_call_desc {
+    int64_t n_pairs;    /* (batch, query head) pairs */
+    int64_t q_len, kv_len, head_dim, v_dim;
+    int64_t gqa;        /* query heads per kv head sharing it (1: none) */
+    int elem_size;      /* the kernel's float type: 4 or 8 bytes */
+    int q_format, kv_format; /* enum mh_storage */
+    int64_t k_row_bytes, v_row_bytes; /* row strides of keys and values */
+    int mask;           /* a user mask is given */
+    int mask_per_head;  /* ... and it differs between query heads */
+    int weights;        /* the dense weights are written */
+    int dropout;        /* dropout_p > 0 */
+    int split;          /* split schedule: -1 automatic, 0 never, 1 if allowed */
+    int threads;        /* the call's share of the thread budget */
+    int contended;      /* threads were recently found without a core */
+} mh_call_desc;
+
+/* What an instantiation (ISA, float type) can do, for the planner. */
+typedef struct mh_caps {
+    int lanes;          /* elements per vector */
+    unsigned in_place;  /* bit (1 << fmt): few-rows path reads fmt in place */
+    int pair_dot;       /* bfloat16 pair dot products (MH_PATH_PAIRS) */
+} mh_caps;
+
+/* Fills *plan for the call *d on an instantiation with capabilities *caps. */
+void mh_plan_attention(const mh_call_desc *d, const mh_caps *caps, mh_plan *plan);
+
+/* Threads for n_items work items of `work` multiply-adds in all, from a share
+   of `threads`: at most one per item, and one for a call too small to wake
+   the pool for (a larger bound while `contended`: threads were recently
+   found without a core).  The rule of every call, projections included. */
+int mh_plan_threads(int threads, int64_t n_items, double work, int contended);
+
+/* Split-key partial buffers, kernel float type: acc (n_pairs, n_split, L, Ev),
+   row max and row sum (n_pairs, n_split, L). */
+typedef struct mh_partials {
     void *acc, *row_max, *row_sum;
-} mh_key_split;
+} mh_partials;
 
 typedef struct mh_attn_args {
-    int64_t n_pairs;  /* (batch, query head) pairs */
+    int64_t n_pairs;  /* (batch, query head) pairs, or kv pairs with plan->group > 1 */
     int64_t q_len;    /* L: query rows per pair */
     int64_t kv_len;   /* S: keys per pair */
     int64_t head_dim; /* E: query/key width */
     int64_t v_dim;    /* Ev: value/output width */
+    const mh_plan *plan;
 
-    mh_operand q;     /* (pairs, L, E)  kernel float type */
-    /* float kernels: MH_KV_NATIVE, or MH_KV_F16 / MH_KV_BF16 when q holds 16-bit
-       bits (widened as they are read); with bfloat16 keys and values too, the
-       avx512bf16 path takes q . k as bfloat16 pair dot products (vdpbf16ps),
-       which round nothing on the way in */
+    mh_operand q;     /* (pairs, L, E)  q_format */
+    /* float kernels: their own type, or F16 / BF16 bits widened as they are
+       read (the pairs path reads bfloat16 words as they are) */
     int q_format;
     mh_operand k;     /* (pairs, S, E)  kv_format */
     mh_operand v;     /* (pairs, S, Ev) kv_format */
-    mh_operand out;   /* (pairs, L, Ev) kernel float type, written */
-    int out_format;   /* float kernels: MH_KV_NATIVE, or MH_KV_F16 / MH_KV_BF16 bits,
-                         rounded to nearest even as they are written */
-    int kv_format;    /* enum mh_kv_format */
-    mh_operand k_scale, v_scale; /* I8 / I4 only: per row (see mh_kv_format) */
+    mh_operand out;   /* (pairs, L, Ev) out_format, written */
+    int out_format;   /* the kernel's type, or F16 / BF16 bits rounded to
+                         nearest even as they are written (float kernels) */
+    int kv_format;    /* enum mh_storage */
+    mh_operand k_scale, v_scale; /* I8 / I4 only: per row (see mh_formats.h) */
 
     /* Optional mask (pairs, L, S): MH_MASK_BOOL reads bytes, nonzero = may
        attend; MH_MASK_ADD reads the kernel's float type and adds it to the
@@ -129,21 +202,14 @@ typedef struct mh_attn_args {
        caller; when set, the kernel also writes the (post-dropout) weights. */
     void *weights;
 
-    mh_key_split split; /* n_split == 0 unless the split-key schedule runs */
+    mh_partials split;  /* split schedule only */
 
-    /* Query heads per kv head served together (decode with grouped queries):
-       1 normally.  With group G > 1 a pair is a kv pair, the q and out offset
-       tables hold n_pairs * G entries (pair * G + g), and an item's rows are
-       (g, query row) for every g: the few-rows path then reads each key and
-       value once for the G heads (no dropout, no weights; the mask, if any,
-       is per kv pair). */
-    int64_t group;
-
-    /* Tile path with float16 / bfloat16 keys and values: when >= kv_len, each
-       thread's scratch holds, after the plan's parts, the widened rows of the
-       pair it last served (mh_widened_bytes), so the query blocks of a pair
-       that follow on that thread do not widen them again; 0: none. */
-    int64_t kv_widened_rows;
+    /* Grouped query heads (plan->group = G > 1, decode with grouped-query
+       attention): a pair is a kv pair, the q and out offset tables hold
+       n_pairs * G entries (pair * G + g), and an item's rows are (g, query
+       row) for every g: the few-rows path then reads each key and value once
+       for the G heads (no dropout, no weights; the mask, if any, is per kv
+       pair). */
 } mh_attn_args;
 
 /* Query block: pair `pair`, rows [q_start, min(q_start + MH_BLOCK_Q, L)). */
@@ -194,14 +260,26 @@ void mh_linear_tile_f32(const mh_linear_args *args, int64_t tile);
 void mh_linear_tile_f64(const mh_linear_args *args, int64_t tile);
 
 typedef struct mh_kernel_table {
-    const char *name;
+    const char *name;   /* NULL: this path is not compiled into the build */
     mh_block_fn block_f32, block_f64;
     mh_split_fn split_f32, split_f64;
     mh_merge_fn merge_f32, merge_f64;
     mh_linear_rows_fn linear_rows_f32, linear_rows_f64;
     void (*exp_f32)(const float *x, float *y, int64_t n);   /* the path's vector exp */
     void (*exp_f64)(const double *x, double *y, int64_t n);
+    const mh_caps *caps_f32, *caps_f64; /* what each instantiation can do */
 } mh_kernel_table;
+
+/* The table of kernel path `sfx`, at the end of its ISA file (mh_instance.h
+   has defined the functions), and the empty table of a path the build has
+   not compiled (a foreign architecture, or a compiler without the ISA). */
+#define MH_KERNEL_TABLE(sfx)                                                               \
+    const mh_kernel_table mh_table_##sfx = {                                               \
+        #sfx, mh_block_item_f32_##sfx, mh_block_item_f64_##sfx, mh_split_item_f32_##sfx,    \
+        mh_split_item_f64_##sfx, mh_merge_item_f32_##sfx, mh_merge_item_f64_##sfx,          \
+        mh_linear_rows_item_f32_##sfx, mh_linear_rows_item_f64_##sfx,                      \
+        mh_exp_array_f32_##sfx, mh_exp_array_f64_##sfx, &mh_caps_f32_##sfx, &mh_caps_f64_##sfx};
+#define MH_EMPTY_TABLE(sfx) const mh_kernel_table mh_table_##sfx = {0};
 
 /* Where each part of one work item's scratch starts, in elements of the
    kernel's float type from a MH_SCRATCH_ALIGN-aligned base (every part is a
@@ -228,23 +306,23 @@ typedef struct mh_scratch_layout {
 
 mh_scratch_layout mh_scratch_plan(int64_t head_dim, int64_t v_dim);
 
-/* The plan's size in bytes of `elem_size`, rounded up to MH_SCRATCH_ALIGN:
-   the bytes between two threads' scratch areas, plus mh_widened_bytes when a
-   run keeps widened rows (mh_attn_args.kv_widened_rows). */
+/* The layout's size in bytes of `elem_size`, rounded up to MH_SCRATCH_ALIGN;
+   a thread's scratch area is this, plus mh_widened_bytes when the plan keeps
+   widened rows (mh_plan.widened_rows). */
 size_t mh_scratch_stride(int64_t head_dim, int64_t v_dim, size_t elem_size);
 
 /* `raw` rounded up to MH_SCRATCH_ALIGN; allocate MH_SCRATCH_ALIGN extra bytes. */
 void *mh_scratch_align(void *raw);
 
 /* Bytes to add to each thread's float32 scratch stride for `rows` widened key
-   and value rows (mh_attn_args.kv_widened_rows): a header, then rows x E keys
+   and value rows (mh_plan.widened_rows): a header, then rows x E keys
    and rows x evp values, a multiple of MH_SCRATCH_ALIGN.  mh_widened_reset
    marks one thread's area empty; call it for every thread before a run. */
 size_t mh_widened_bytes(int64_t head_dim, int64_t v_dim, int64_t rows);
 void mh_widened_reset(void *thread_scratch, int64_t head_dim, int64_t v_dim);
 
 /* Quantise `rows` rows of n float32 values into the KV cache's storage formats
-   (mh_kv_format; n a multiple of MH_I4_GROUP for int4): int8 values and one
+   (mh_formats.h; n a multiple of MH_I4_GROUP for int4): int8 values and one
    scale per row; int4 bytes and (scale, min) float16 pairs per group.  A row
    (int4: a group) holding NaN or inf gets NaN scales. */
 void mh_quantize_i8(const float *x, int64_t rows, int64_t n, int8_t *q, float *scale);
@@ -260,11 +338,9 @@ typedef struct mh_cpu_features {
 
 mh_cpu_features mh_cpu_detect(void);
 
-/* Name of `isa` ("baseline", "avx2", "avx512", "avx512bf16"), NULL when out of range. */
+/* Name of `isa` (mh_isa_list.h), NULL when out of range.  The enum runs from
+   the best path to the baseline. */
 const char *mh_isa_name(int isa);
-
-/* The isa of preference rank `rank` (0 = best), -1 when out of range. */
-int mh_isa_by_preference(int rank);
 
 /* 1 if this CPU and OS can run `isa`, 0 otherwise. */
 int mh_cpu_supports(int isa);
@@ -274,6 +350,9 @@ int mh_isa_compiled(int isa);
 
 /* The kernels of `isa`, or NULL when not compiled in.  Does not check the CPU. */
 const mh_kernel_table *mh_kernels(int isa);
+
+/* The storage formats (mh_formats.h), MH_STORAGE_COUNT rows in code order. */
+extern const mh_storage_info mh_storage_table[];
 
 /* Dropout stream: 64 pseudo-random bits for element (pair, i, j) of a call with
    the given seed.  The element is kept iff (bits >> 40) * 2^-24 >= p.

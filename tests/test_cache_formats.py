@@ -264,7 +264,10 @@ def test_grouped_decode_reads_each_kv_head_once_and_equals_repeated_heads(rng, f
     rep = (lambda a: None if a is None else np.repeat(a, 4, axis=1))
     repeated = _core.attention(q, rep(kq), rep(vq), k_scale=rep(ks), v_scale=rep(vs), **kw)
     np.testing.assert_array_equal(grouped, repeated)
-    assert _core._decode_group(q, kq, pad, False, 0.0) == 4
+    plan = _core.explain(q, kq, vq, k_scale=ks, v_scale=vs, enable_gqa=True, mask=pad,
+                         num_threads=2)
+    assert plan.group == 4 and plan.pairs == 4 and plan.items[0].rows == 4 * L
+    assert plan.items[0].path == "few rows"
 
 
 @pytest.mark.parametrize("fmt", ["int8", "int4"])

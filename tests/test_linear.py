@@ -22,7 +22,7 @@ def test_linear_matches_numpy_for_few_and_many_rows(rng, dtype, rows, n):
 
 @pytest.mark.parametrize("rows,k,n", [(1, 4096, 3000), (4, 2048, 2100), (513, 200, 700)])
 def test_linear_is_the_same_bits_on_any_thread_count(rng, rows, k, n):
-    assert rows * k * n > _kernels.SERIAL_WORK_CONTENDED  # big enough to be split across threads
+    assert _kernels.explain_linear(rows, k, n, 2)["threads"] == 2  # split across threads
     x = rng.standard_normal((rows, k)).astype(np.float32)
     w = rng.standard_normal((k, n)).astype(np.float32)
     one = mh.linear(x, w, num_threads=1)

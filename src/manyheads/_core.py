@@ -2,27 +2,27 @@
 
 Everything here trusts its arguments (the public entry points in
 ``functional``, ``modules`` and ``cache`` have checked them).  Its job is to
-fold batch broadcasting, grouped-query head sharing and arbitrary strides into
-one offset table per operand, since the kernels address every operand as
-``base + offset[pair] + row * row_stride + col``, and to fill a
-``_kernels.AttentionCall`` through its named setters.
+describe the call to the planner (``_kernels.AttentionCall``, which decides
+once what the call does: schedule, grouped heads, paths, threads, scratch),
+then to fold batch broadcasting, grouped-query head sharing and arbitrary
+strides into one offset table per operand as the plan needs them, since the
+kernels address every operand as ``base + offset[pair] + row * row_stride +
+col``, and to fill the call through its named setters.
 """
 from __future__ import annotations
 
 import functools
 import math
 import threading
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from . import _blas, _kernels
+from . import _blas, _formats, _kernels
 from ._validate import dtype_name
 
-__all__ = ["attention", "linear", "apply_rope", "rope_tables", "kernel_ready", "SPLIT_KEYS"]
-
-# keys per range in the split-key schedule; fixed, so results never depend on the thread count
-SPLIT_KEYS = 512
+__all__ = ["attention", "explain", "CallPlan", "ItemPlan", "linear", "apply_rope", "rope_tables", "kernel_ready"]
 
 
 def kernel_ready(arr: np.ndarray, contiguous_rows: bool = True) -> np.ndarray:
@@ -83,31 +83,6 @@ def _pair_views(q: np.ndarray, kvs: tuple[np.ndarray, ...], enable_gqa: bool
             [_broadcast(a, batch + a.shape[-2:]) for a in kvs], len(batch))
 
 
-_STORAGE_BY_DTYPE = {"float16": "float16", "bfloat16": "bfloat16", "int8": "int8",
-                     "uint8": "int4"}
-
-
-def _decode_group(q: np.ndarray, k: np.ndarray, mask: np.ndarray | None,
-                  return_weights: bool, dropout_p: float) -> int:
-    """Query heads per kv head to serve together under grouped-query attention
-    (1: no grouping).
-
-    Decode with grouped queries (a few query rows, each kv head shared by
-    several query heads) reads every key and value once for all the heads that
-    share it, when nothing differs between those heads but their queries: no
-    weights, no dropout, a mask (if any) the same for every head.
-    """
-    if return_weights or dropout_p > 0:
-        return 1
-    group = int(q.shape[-3] // k.shape[-3])
-    L = q.shape[-2]
-    if group < 2 or L > _kernels.FEW_ROWS or group * L > _kernels.BLOCK_Q:
-        return 1
-    if mask is not None and mask.ndim >= 3 and mask.shape[-3] != 1:
-        return 1
-    return group
-
-
 def _split_axis(a: np.ndarray, axis: int, n: int) -> np.ndarray:
     """A view of ``a`` with axis ``axis`` (length m * n) split into (m, n)."""
     axis %= a.ndim
@@ -129,9 +104,160 @@ def _grouped_views(q: np.ndarray, kvs: tuple[np.ndarray, ...], group: int
     return outer + (hkv, group), qv, views, len(outer) + 1
 
 
-def storage_format(k: np.ndarray) -> str:
-    """The kernels' name for the storage of keys/values of dtype ``k.dtype``."""
-    return _STORAGE_BY_DTYPE.get(dtype_name(k.dtype), "native")
+def _format(arr: np.ndarray, quantized: bool = False) -> _formats.StorageFormat:
+    fmt = _formats.of_dtype(dtype_name(arr.dtype), quantized)
+    assert fmt is not None, arr.dtype  # the public entry points have checked the dtype
+    return fmt
+
+
+def _heads_batch(q: np.ndarray, kvs: tuple[np.ndarray, ...], enable_gqa: bool
+                 ) -> tuple[int, ...]:
+    """The (..., query heads) batch shape of the call's output."""
+    if enable_gqa:
+        outer = broadcast_shapes("query, key and value", q.shape[:-3],
+                                 *(a.shape[:-3] for a in kvs))
+        return outer + (q.shape[-3],)
+    return broadcast_shapes("query, key and value", q.shape[:-2], *(a.shape[:-2] for a in kvs))
+
+
+class _Call:
+    """A planned kernel call and what the caller needs to lay out its operands."""
+
+    __slots__ = ("call", "q", "kvs", "kv_fmt", "heads_batch", "L", "S", "E", "Ev", "compute")
+
+    def __init__(self, q: np.ndarray, k: np.ndarray, v: np.ndarray,
+                 scales: tuple[np.ndarray, np.ndarray] | None, mask: np.ndarray | None,
+                 out_fmt: _formats.StorageFormat | None, enable_gqa: bool,
+                 return_weights: bool, dropout_p: float, split: bool | None,
+                 num_threads: int) -> None:
+        q_fmt = _format(q)
+        self.compute = np.dtype(np.float32) if q_fmt.bits == 16 else q.dtype
+        # keys and values: the queries' type, or (float32 queries) a cache format
+        kv_fmt = q_fmt if k.dtype == q.dtype else _format(k, scales is not None)
+        self.kv_fmt = kv_fmt
+        self.L, self.E = q.shape[-2:]
+        self.S = v.shape[-2]
+        self.Ev = v.shape[-1] * 8 * v.itemsize // kv_fmt.bits  # int4: two values a byte
+        self.q = kernel_ready(q)
+        if kv_fmt.bits == 16:
+            k, v = k.view(np.uint16), v.view(np.uint16)
+        kvs: tuple[np.ndarray, ...] = (kernel_ready(k), kernel_ready(v))
+        if scales is not None:  # int4: float16 pairs, read as bits
+            kvs += tuple(kernel_ready(a.view(np.uint16) if a.dtype == np.float16 else a)
+                         for a in scales)
+        self.kvs = kvs
+        self.heads_batch = _heads_batch(q, kvs, enable_gqa)
+        mask_code = 0 if mask is None else (
+            2 if mask.ndim >= 3 and mask.shape[-3] != 1 else 1)
+        self.call = _kernels.AttentionCall(
+            self.compute == np.float64,
+            (math.prod(self.heads_batch), self.L, self.S, self.E, self.Ev),
+            (q_fmt.code, kv_fmt.code, (out_fmt or q_fmt).code),
+            (kvs[0].strides[-2], kvs[1].strides[-2]),
+            gqa=q.shape[-3] // k.shape[-3] if enable_gqa else 1, mask=mask_code,
+            weights=return_weights, dropout=dropout_p > 0,
+            split=-1 if split is None else int(bool(split)), threads=num_threads)
+
+
+@dataclass(frozen=True)
+class ItemPlan:
+    """The work items of one kind in a :class:`CallPlan`."""
+
+    count: int  # work items of this kind
+    rows: int  # query rows each serves
+    path: str  # "tile", "tile, bfloat16 pair products" or "few rows"
+    keys: str  # how it reads the keys: "in place", "copied", "widened once per thread"
+    values: str  # ... and the values
+
+
+@dataclass(frozen=True)
+class CallPlan:
+    """What one attention call does, decided once before any kernel runs.
+
+    Returned by :func:`manyheads.explain`; ``str(plan)`` says it in words.
+    """
+
+    isa: str  # the kernel path (manyheads.kernel_isa())
+    dtype: str  # the kernels' float type: "float32" or "float64"
+    query_format: str  # storage of the queries and outputs (float32, float16, ...)
+    kv_format: str  # storage of the keys and values (float32, ..., int8, int4)
+    batch: tuple[int, ...]  # (..., query heads)
+    query_rows: int  # L
+    keys: int  # S
+    head_dim: int  # E
+    value_dim: int  # Ev
+    pairs: int  # (batch, head) pairs the work items serve (kv heads when grouped)
+    group: int  # query heads one work item serves (1: none grouped)
+    query_blocks: int  # query blocks per pair (block schedule)
+    key_ranges: int  # key ranges per pair (split-key schedule), 0: block schedule
+    range_keys: int  # keys per range
+    work_items: int
+    items: tuple[ItemPlan, ...]
+    threads: int
+    merge_threads: int  # threads of the merge pass (split-key schedule), 0: none
+    prefetch: bool  # the few-rows path asks for key and value rows ahead
+    widened_rows: int  # rows of float16/bfloat16 keys and values a thread keeps widened
+    scratch_bytes: int  # per thread
+    partial_bytes: int  # split-key partial results
+    multiply_adds: float
+
+    @property
+    def schedule(self) -> str:
+        return "split keys" if self.key_ranges else "query blocks"
+
+    def __str__(self) -> str:
+        def n(count: int, what: str) -> str:
+            return f"{count} {what}{'' if count == 1 else 's'}"
+
+        b = "x".join(str(n) for n in self.batch) or "1"
+        lines = [f"{self.dtype} attention on the {self.isa} kernels, {n(self.threads, 'thread')}",
+                 f"  (batch, query heads) {b}: {n(self.query_rows, 'query row')} against "
+                 f"{n(self.keys, 'key')}, head size {self.head_dim}, value size "
+                 f"{self.value_dim}; queries {self.query_format}, keys and values "
+                 f"{self.kv_format}"]
+        pairs = f"{self.pairs} (batch, {'kv ' if self.group > 1 else ''}head) pairs"
+        if self.group > 1:
+            pairs += f", {self.group} query heads served together per kv head"
+        if self.key_ranges:
+            lines.append(f"  split keys: {pairs} x {n(self.key_ranges, 'key range')} of "
+                         f"{self.range_keys} = {n(self.work_items, 'work item')}, then "
+                         f"{n(self.pairs, 'merge')} on {n(self.merge_threads, 'thread')}")
+        else:
+            lines.append(f"  query blocks: {pairs} x {n(self.query_blocks, 'block')} = "
+                         f"{n(self.work_items, 'work item')}")
+        for it in self.items:
+            lines.append(f"  {n(it.count, 'item')} of {n(it.rows, 'row')}: {it.path} path, "
+                         f"keys {it.keys}, values {it.values}")
+        extras = [f"scratch {self.threads} x {self.scratch_bytes / 1024:.0f} KiB"]
+        if self.partial_bytes:
+            extras.append(f"partial results {self.partial_bytes / 1024:.0f} KiB")
+        if self.widened_rows:
+            extras.append(f"{self.widened_rows} rows kept widened per thread")
+        if any(it.path == "few rows" for it in self.items):
+            extras.append("key and value rows prefetched" if self.prefetch else "no prefetch")
+        lines.append("  " + "; ".join(extras))
+        return "\n".join(lines)
+
+
+def explain(q: np.ndarray, k: np.ndarray, v: np.ndarray, *, num_threads: int,
+            mask: np.ndarray | None = None, enable_gqa: bool = False,
+            return_weights: bool = False, dropout_p: float = 0.0, split: bool | None = None,
+            k_scale: np.ndarray | None = None, v_scale: np.ndarray | None = None) -> CallPlan:
+    """The plan :func:`attention` would run for these checked arguments."""
+    scales = None if k_scale is None or v_scale is None else (k_scale, v_scale)
+    planned = _Call(q, k, v, scales, mask, None, enable_gqa, return_weights, dropout_p, split,
+                    num_threads)
+    p: dict[str, Any] = planned.call.explain()
+    return CallPlan(
+        isa=p["isa"], dtype="float64" if p["float64"] else "float32",
+        query_format=_format(q).name, kv_format=planned.kv_fmt.name,
+        batch=tuple(planned.heads_batch), query_rows=planned.L, keys=planned.S,
+        head_dim=planned.E, value_dim=planned.Ev, pairs=p["pairs"], group=p["group"],
+        query_blocks=p["query_blocks"], key_ranges=p["key_ranges"], range_keys=p["range_keys"],
+        work_items=p["work_items"], items=tuple(ItemPlan(**it) for it in p["items"]),
+        threads=p["threads"], merge_threads=p["merge_threads"], prefetch=p["prefetch"],
+        widened_rows=p["widened_rows"], scratch_bytes=p["scratch_bytes_per_thread"],
+        partial_bytes=p["partial_bytes"], multiply_adds=p["multiply_adds"])
 
 
 def attention(
@@ -159,31 +285,23 @@ def attention(
     causal mask); ``window=W`` (with a causal offset) also hides keys more
     than W-1 positions back.  ``out``, if given, is a writable view of the
     output shape (it may be strided, e.g. the merged-heads layout of a fused
-    module).  With q float32, k and v may be stored as float16, bfloat16, int8
-    (with per-row float32 ``k_scale``/``v_scale`` (.., S, 1)) or int4 (uint8
-    bytes (.., S, E/2), with float16 (scale, min) pairs per group of 32
-    channels (.., S, 2 * E/32)); see ``KVCache``.  q, k and v may also all be
-    float16 or ``ml_dtypes.bfloat16``: the kernels then compute in float32 (the
-    avx512bf16 path with bfloat16 pair dot products for bfloat16), read q as it
+    module).  With q float32, k and v may be stored in any storage format of
+    ``_formats`` (int8 and int4 with their ``k_scale``/``v_scale``; see
+    ``KVCache``).  q, k and v may also all be float16 or
+    ``ml_dtypes.bfloat16``: the kernels then compute in float32, read q as it
     is and round the output to q's type as they write it; weights come back
-    float32.  ``split`` forces (True) or forbids
-    (False) the split-key schedule; by default it serves a few query rows
-    against many keys.  Returns the output, or ``(output, weights)`` with
-    ``return_weights``.
+    float32.  ``split`` forces (True) or forbids (False) the split-key
+    schedule; by default the plan chooses.  Returns the output, or ``(output,
+    weights)`` with ``return_weights``.
     """
-    q_fmt = storage_format(q)  # a 16-bit q ("float16", "bfloat16"): float32 inside
-    compute = np.dtype(np.float32) if q_fmt != "native" else q.dtype
-    fmt = "native" if k.dtype == compute else storage_format(k)
-    L, E = q.shape[-2:]
-    S, Ev = v.shape[-2], v.shape[-1] * (2 if fmt == "int4" else 1)
-    q = kernel_ready(q)
-    if fmt in ("float16", "bfloat16"):
-        k, v = k.view(np.uint16), v.view(np.uint16)
-    kvs: tuple[np.ndarray, ...] = (kernel_ready(k), kernel_ready(v))
-    if k_scale is not None and v_scale is not None:  # int4: float16 pairs, read as bits
-        kvs += tuple(kernel_ready(a.view(np.uint16) if a.dtype == np.float16 else a)
-                     for a in (k_scale, v_scale))
-    group = _decode_group(q, kvs[0], mask, return_weights, dropout_p) if enable_gqa else 1
+    scales = None if k_scale is None or v_scale is None else (k_scale, v_scale)
+    out_fmt = None if out is None else _format(out)
+    planned = _Call(q, k, v, scales, mask, out_fmt, enable_gqa, return_weights, dropout_p, split,
+                    num_threads)
+    call, kvs, heads_batch = planned.call, planned.kvs, planned.heads_batch
+    L, S, Ev, compute = planned.L, planned.S, planned.Ev, planned.compute
+    q = planned.q
+    group = call.group
     if group > 1:  # each kv head read once for the query heads that share it
         batch, qv, kv_views, n_kv_batch = _grouped_views(q, kvs, group)
         nb = n_kv_batch + 1  # q and out: (.., kv heads, group, L, x)
@@ -197,8 +315,6 @@ def attention(
     if group == 1:
         nb = len(batch)
         mask_batch = batch
-    # the (.., query heads) batch the caller sees (grouped: (.., kv heads, group) inside)
-    heads_batch = batch if group == 1 else batch[:-2] + (batch[-2] * group,)
     mv = None
     if mask is not None:
         mask = kernel_ready(mask, contiguous_rows=False)
@@ -213,18 +329,17 @@ def attention(
 
     if out is None:
         out = np.empty(heads_batch + (L, Ev), dtype=q.dtype)
-    out_fmt = storage_format(out)  # a 16-bit output: rounded as it is written
     weights = np.zeros(batch + (L, S), dtype=compute) if return_weights else None
-    n_pairs = math.prod(batch) if group == 1 else math.prod(batch[:-1])
+    n_pairs = math.prod(heads_batch)
     if n_pairs and L and (S == 0 or Ev == 0):
         out[...] = 0
     if n_pairs and L and S and Ev:
-        call = _kernels.AttentionCall(compute == np.float64, n_pairs, L, S, E, Ev, group)
-        call.set_query(qv.view(np.uint16) if q_fmt != "native" else qv, nb, q_fmt)
-        scales = kv_views[2:] if len(kv_views) == 4 else (None, None)
-        call.set_keys_values(kv_views[0], kv_views[1], n_kv_batch, fmt, scales[0], scales[1])
-        ov = out.view(np.uint16) if out_fmt != "native" else out
-        call.set_output(ov if group == 1 else _split_axis(ov, -3, group), nb, out_fmt)
+        call.set_query(qv.view(np.uint16) if qv.dtype.itemsize == 2 else qv, nb)
+        scale_views = kv_views[2:] if len(kv_views) == 4 else (None, None)
+        call.set_keys_values(kv_views[0], kv_views[1], n_kv_batch, scale_views[0],
+                             scale_views[1])
+        ov = out.view(np.uint16) if out.dtype.itemsize == 2 else out
+        call.set_output(ov if group == 1 else _split_axis(ov, -3, group), nb)
         if mv is not None:
             call.set_mask(mv, n_kv_batch if group > 1 else nb)
         if causal_offset is not None:
@@ -234,10 +349,7 @@ def attention(
             call.set_dropout(float(dropout_p), int(seed))
         if weights is not None:
             call.set_weights(weights)
-        if split is None:
-            split = L <= _kernels.FEW_ROWS and S >= 2 * SPLIT_KEYS
-        split = bool(split) and weights is None and dropout_p == 0 and L <= _kernels.BLOCK_Q
-        call.run(int(num_threads), SPLIT_KEYS if split else 0, _on_main_thread())
+        call.run(_on_main_thread())
     return (out, weights) if return_weights else out
 
 

@@ -7,16 +7,19 @@ import numpy.typing as npt
 _Float = TypeVar("_Float", np.float32, np.float64)
 _FloatArray = npt.NDArray[np.float32] | npt.NDArray[np.float64]
 
-KV_FORMATS: dict[str, int]
 I4_GROUP: int
 BLOCK_Q: int
 BLOCK_K: int
 FEW_ROWS: int
 LINEAR_COLS: int
-SERIAL_WORK: float
-SERIAL_WORK_CONTENDED: float
 CONTENDED_SECONDS: float
 SIGNAL_CHECK_SECONDS: float
+PATH_NAMES: dict[int, str]
+READ_NAMES: dict[int, str]
+
+def storage_table() -> tuple[tuple[str, str, int, int, int, int], ...]:
+    """The storage formats of csrc/mh_formats.h, in code order: (name, NumPy dtype
+    name of the stored elements, code, bits per element, scale layout, group)."""
 
 def isa_names() -> tuple[str, ...]:
     """Every kernel path this source knows, best first (whether compiled in or not)."""
@@ -37,7 +40,7 @@ def vector_exp(x: npt.NDArray[_Float]) -> npt.NDArray[_Float]:
 
 @overload
 def vector_exp(x: npt.ArrayLike) -> _FloatArray: ...
-def quantize_rows(x: npt.NDArray[np.float32], fmt: str
+def quantize_rows(x: npt.NDArray[np.float32], code: int
                   ) -> tuple[npt.NDArray[Any], npt.NDArray[Any]]: ...
 def openmp_enabled() -> bool: ...
 def openmp_version() -> int: ...
@@ -56,30 +59,42 @@ def waited_for_absent_threads(start: float, worked: float, end: float) -> bool:
 def threads_for_call(requested: int, active_calls: int) -> int:
     """Threads one of ``active_calls`` simultaneous calls gets from a budget of ``requested``."""
 
+def explain_linear(m: int, k: int, n: int, num_threads: int) -> dict[str, Any]:
+    """The plan of :func:`linear` for these sizes, as a dict."""
+
 def linear(x: _FloatArray, w: _FloatArray, bias: _FloatArray | None, out: _FloatArray,
            num_threads: int, check_signals: bool = ...) -> None:
     """out (m, n) = x (m, k) @ w (k, n) (+ bias), rows contiguous, one float dtype."""
 class AttentionCall:
-    """The arguments of one attention call, kept as the C struct the kernels read.
+    """One attention call: its plan (made once, at construction, by the C planner)
+    and the C struct of arguments the kernels read.
 
-    Every operand is a view whose leading axes enumerate the (batch, head)
-    pairs and whose last two axes are (rows, cols); queries, output, weights
-    and a float mask have the call's float type (float64 if ``float64`` else
-    float32).
+    Every operand is a view whose leading axes enumerate the pairs the work items
+    serve and whose last two axes are (rows, cols), in the storage the call was
+    planned with (16-bit formats as uint16 bits).
     """
 
-    def __init__(self, float64: bool, n_pairs: int, q_len: int, kv_len: int, head_dim: int,
-                 v_dim: int, group: int = ...) -> None:
-        """``group`` > 1: pairs are kv pairs, each serving ``group`` query heads at once."""
-    def set_query(self, q: npt.NDArray[Any], n_batch: int, fmt: str = ...) -> None:
+    def __init__(self, float64: bool, shape: tuple[int, int, int, int, int],
+                 formats: tuple[int, int, int], row_bytes: tuple[int, int], gqa: int = ...,
+                 mask: int = ..., weights: bool = ..., dropout: bool = ..., split: int = ...,
+                 threads: int = ...) -> None:
+        """shape: (query pairs, L, S, E, Ev); formats: storage codes of (q, k and v, out);
+        row_bytes: row strides of (k, v); mask: 0 none, 1 shared by the heads, 2 per head;
+        split: -1 automatic, 0 never, 1 when allowed; threads: requested."""
+    @property
+    def group(self) -> int:
+        """Query heads one work item serves (1: none grouped)."""
+    def explain(self) -> dict[str, Any]:
+        """The plan as a dict of plain values."""
+    def set_query(self, q: npt.NDArray[Any], n_batch: int) -> None:
         """Queries (.., L, E); the first ``n_batch`` axes enumerate the pairs."""
 
     def set_keys_values(self, k: npt.NDArray[Any], v: npt.NDArray[Any], n_batch: int,
-                        fmt: str = ..., k_scale: npt.NDArray[np.float32] | None = ...,
-                        v_scale: npt.NDArray[np.float32] | None = ...) -> None:
-        """Keys and values stored as ``fmt`` (a KV_FORMATS name), with int8/int4 scales."""
+                        k_scale: npt.NDArray[Any] | None = ...,
+                        v_scale: npt.NDArray[Any] | None = ...) -> None:
+        """Keys and values in the planned storage, with int8/int4 scales."""
 
-    def set_output(self, out: npt.NDArray[Any], n_batch: int, fmt: str = ...) -> None: ...
+    def set_output(self, out: npt.NDArray[Any], n_batch: int) -> None: ...
     def set_mask(self, mask: npt.NDArray[Any], n_batch: int) -> None:
         """A bool (True = may attend) or additive float mask (.., L, S); strides may be 0."""
 
@@ -91,6 +106,6 @@ class AttentionCall:
     def set_weights(self, weights: _FloatArray) -> None:
         """Dense (pairs, L, S) C-contiguous zeros, filled with the attention weights."""
 
-    def run(self, num_threads: int, split_keys: int = ..., check_signals: bool = ...) -> None:
-        """Run every work item on up to ``num_threads`` threads (``split_keys``: decode
-        schedule; ``check_signals``: stop and raise on Ctrl-C)."""
+    def run(self, check_signals: bool = ...) -> None:
+        """Run the plan's work items on its threads (``check_signals``: stop and raise
+        on Ctrl-C)."""

@@ -1,12 +1,15 @@
 # cython: language_level=3, boundscheck=False, wraparound=False, initializedcheck=False, cdivision=True
 """Thin scheduling layer over the C kernels in ``csrc/``.
 
-One typed call object, :class:`AttentionCall`, owns the C argument struct of
-one attention call: the Python core (``manyheads._core``) fills it through
-named setters (operands with their offset tables and row strides, mask,
-causal structure, dropout, weights) and :meth:`AttentionCall.run` runs the
-work items over an OpenMP thread team with the GIL released.  Nothing here
-validates: ``manyheads._core`` has checked everything before it builds a call.
+One typed call object, :class:`AttentionCall`, owns the plan and the C
+argument struct of one attention call: it asks the C planner
+(``mh_plan_attention``) once what the call will do, the Python core
+(``manyheads._core``) fills the operands through named setters (offset tables
+and row strides, mask, causal structure, dropout, weights), and
+:meth:`AttentionCall.run` runs the plan's work items over an OpenMP thread
+team with the GIL released.  Nothing here validates: ``manyheads._core`` has
+checked everything before it builds a call.  The C declarations are in
+``_csrc.pxd``.
 """
 from cython.parallel cimport parallel, prange, threadid
 from libc.stdint cimport int8_t, int64_t, uint8_t, uint16_t, uint64_t, uintptr_t
@@ -17,151 +20,34 @@ import numpy as np
 
 cnp.import_array()
 
-cdef extern from "mh_kernels.h" nogil:
-    enum:
-        MH_BLOCK_Q
-        MH_BLOCK_K
-        MH_FEW_ROWS
-        MH_SCRATCH_ALIGN
-        MH_MASK_NONE
-        MH_MASK_BOOL
-        MH_MASK_ADD
-        MH_KV_NATIVE
-        MH_KV_F16
-        MH_KV_BF16
-        MH_KV_I8
-        MH_KV_I4
-        MH_I4_GROUP
-        MH_ISA_COUNT
-
-    ctypedef struct mh_operand:
-        const void *base
-        const int64_t *off
-        int64_t row
-        int64_t col
-
-    ctypedef struct mh_causal:
-        int enabled
-        int64_t offset
-        int64_t window
-
-    ctypedef struct mh_key_split:
-        int64_t n_split, split_keys
-        void *acc
-        void *row_max
-        void *row_sum
-
-    ctypedef struct mh_attn_args:
-        int64_t n_pairs, q_len, kv_len, head_dim, v_dim
-        mh_operand q, k, v, out, mask
-        int q_format, out_format
-        int kv_format
-        mh_operand k_scale, v_scale
-        int mask_kind
-        mh_causal causal
-        double scale
-        double dropout_p
-        uint64_t seed
-        void *weights
-        mh_key_split split
-        int64_t group
-        int64_t kv_widened_rows
-
-    ctypedef void (*mh_block_fn)(const mh_attn_args *args, int64_t pair, int64_t q_start,
-                                 void *scratch) noexcept nogil
-    ctypedef void (*mh_split_fn)(const mh_attn_args *args, int64_t pair, int64_t key_range,
-                                 void *scratch) noexcept nogil
-    ctypedef void (*mh_merge_fn)(const mh_attn_args *args, int64_t pair,
-                                 void *scratch) noexcept nogil
-
-    ctypedef void (*mh_sgemm_fn)(const char *transa, const char *transb, const int *m,
-                                 const int *n, const int *k, const float *alpha, const float *a,
-                                 const int *lda, const float *b, const int *ldb,
-                                 const float *beta, float *c, const int *ldc) noexcept nogil
-    ctypedef void (*mh_dgemm_fn)(const char *transa, const char *transb, const int *m,
-                                 const int *n, const int *k, const double *alpha,
-                                 const double *a, const int *lda, const double *b,
-                                 const int *ldb, const double *beta, double *c,
-                                 const int *ldc) noexcept nogil
-
-    ctypedef struct mh_linear_args:
-        int64_t m, k, n
-        const void *x
-        int64_t x_row
-        const void *w
-        int64_t w_row
-        const void *bias
-        void *out
-        int64_t out_row
-        int64_t tile_m, tile_n
-        mh_sgemm_fn sgemm
-        mh_dgemm_fn dgemm
-
-    ctypedef void (*mh_linear_rows_fn)(const mh_linear_args *args, int64_t block) noexcept nogil
-    void mh_linear_tile_f32(const mh_linear_args *args, int64_t tile)
-    void mh_linear_tile_f64(const mh_linear_args *args, int64_t tile)
-    enum:
-        MH_LINEAR_COLS
-
-    ctypedef struct mh_kernel_table:
-        const char *name
-        mh_block_fn block_f32
-        mh_block_fn block_f64
-        mh_split_fn split_f32
-        mh_split_fn split_f64
-        mh_merge_fn merge_f32
-        mh_merge_fn merge_f64
-        mh_linear_rows_fn linear_rows_f32
-        mh_linear_rows_fn linear_rows_f64
-        void (*exp_f32)(const float *x, float *y, int64_t n) noexcept nogil
-        void (*exp_f64)(const double *x, double *y, int64_t n) noexcept nogil
-
-    size_t mh_scratch_stride(int64_t head_dim, int64_t v_dim, size_t elem_size)
-    void *mh_scratch_align(void *raw)
-    size_t mh_widened_bytes(int64_t head_dim, int64_t v_dim, int64_t rows)
-    void mh_widened_reset(void *thread_scratch, int64_t head_dim, int64_t v_dim)
-    const char *mh_isa_name(int isa)
-    int mh_isa_by_preference(int rank)
-    int mh_cpu_supports(int isa)
-    int mh_isa_compiled(int isa)
-    const mh_kernel_table *mh_kernels(int isa)
-    void mh_quantize_i8(const float *x, int64_t rows, int64_t n, int8_t *q, float *scale)
-    void mh_quantize_i4(const float *x, int64_t rows, int64_t n, uint8_t *q, uint16_t *pairs)
-    enum:
-        MH_I4_GROUP
-
-cdef extern from "mh_runtime.h" nogil:
-    int mh_openmp_enabled()
-    int mh_omp_max_threads()
-    int mh_omp_version()
-    void *mh_omp_entry_address()
-    double mh_seconds()
-    int mh_flag_get(const int *flag)
-    void mh_flag_set(int *flag)
+from manyheads._csrc cimport *
 
 cdef extern from "Python.h":
     int PyErr_CheckSignals()  # called with the GIL held; -1 with the exception set
 
 
-# storage formats of keys and values (see mh_kernels.h)
-KV_FORMATS = {"native": MH_KV_NATIVE, "float16": MH_KV_F16, "bfloat16": MH_KV_BF16,
-              "int8": MH_KV_I8, "int4": MH_KV_I4}
 I4_GROUP = MH_I4_GROUP
 BLOCK_Q = MH_BLOCK_Q
 BLOCK_K = MH_BLOCK_K
 FEW_ROWS = MH_FEW_ROWS
-# bytes of widened keys and values all threads together may keep in a half-precision
-# prefill (each thread: the rows of the pair it last served, see mh_widened_bytes)
-cdef size_t WIDENED_BYTES = 64 << 20
 LINEAR_COLS = MH_LINEAR_COLS
 SIGNAL_CHECK_SECONDS = 0.05  # how often a long call looks for Ctrl-C
-# Work (multiply-adds) below which a call runs on the calling thread alone: waking
-# the pool costs more than the split saves.
-cdef double _serial_work = 524288
-SERIAL_WORK = _serial_work
+PATH_NAMES = {MH_PATH_TILE: "tile", MH_PATH_PAIRS: "tile, bfloat16 pair products",
+              MH_PATH_FEW_ROWS: "few rows"}
+READ_NAMES = {MH_READ_IN_PLACE: "in place", MH_READ_COPIED: "copied",
+              MH_READ_WIDENED: "widened once per thread"}
 
 
-cdef const mh_kernel_table *_table = mh_kernels(0)
+def storage_table():
+    """The storage formats of csrc/mh_formats.h, in code order: (name, NumPy dtype
+    name of the stored elements, code, bits per element, scale layout, group)."""
+    return tuple((mh_storage_table[i].name.decode(), mh_storage_table[i].dtype.decode(),
+                  mh_storage_table[i].code, mh_storage_table[i].bits,
+                  mh_storage_table[i].scales, mh_storage_table[i].group)
+                 for i in range(MH_STORAGE_COUNT))
+
+
+cdef const mh_kernel_table *_table = mh_kernels(MH_ISA_COUNT - 1)  # the baseline
 cdef mh_sgemm_fn _sgemm = NULL
 cdef mh_dgemm_fn _dgemm = NULL
 
@@ -176,7 +62,7 @@ cdef int _isa_index(str name) except -1:
 
 def isa_names():
     """Every kernel path this source knows, best first (whether compiled in or not)."""
-    return tuple(mh_isa_name(mh_isa_by_preference(r)).decode() for r in range(MH_ISA_COUNT))
+    return tuple(mh_isa_name(i).decode() for i in range(MH_ISA_COUNT))
 
 
 def isa_compiled(str name):
@@ -215,20 +101,23 @@ def vector_exp(x):
     return y
 
 
-def quantize_rows(cnp.ndarray x, str fmt):
+def quantize_rows(cnp.ndarray x, int code):
     """(stored values, scales) of a C-contiguous float32 array (rows, D) in the KV
-    cache's "int8" (int8 values, float32 scales (rows, 1)) or "int4" format (uint8
-    bytes (rows, D/2), float16 (scale, min) pairs (rows, 2 * D/32)); see cache.quantize."""
+    cache's int8 storage (int8 values, float32 scales (rows, 1)) or int4 storage (uint8
+    bytes (rows, D/2), float16 (scale, min) pairs (rows, 2 * D/32)), ``code`` the
+    storage code; see cache.quantize."""
     cdef int64_t rows = x.shape[0], n = x.shape[1]
     cdef const float *src = <const float *>cnp.PyArray_DATA(x)
     cdef cnp.ndarray q, s
-    if fmt == "int8":
+    if code == MH_STORE_I8:
         q = np.empty((rows, n), np.int8)
         s = np.empty((rows, 1), np.float32)
         with nogil:
             mh_quantize_i8(src, rows, n, <int8_t *>cnp.PyArray_DATA(q),
                            <float *>cnp.PyArray_DATA(s))
         return q, s
+    if code != MH_STORE_I4:
+        raise ValueError(f"storage code {code} is not a quantised format")
     q = np.empty((rows, n // 2), np.uint8)
     s = np.empty((rows, 2 * (n // MH_I4_GROUP)), np.float16)
     with nogil:
@@ -359,12 +248,11 @@ cdef int _run_items(const Job *job, item_fn fn, int64_t n_items, int nt,
 
 
 # When a split call finds its other threads absent (the calling thread did its
-# items, then waited at the end for threads that had no core), calls of up to
-# _serial_work_contended multiply-adds run on the calling thread alone for the next
-# CONTENDED_SECONDS: waiting for a descheduled thread costs more than such a call.
-# Results do not depend on the thread count, so this changes only the time.
-cdef double _serial_work_contended = 8388608
-SERIAL_WORK_CONTENDED = _serial_work_contended
+# items, then waited at the end for threads that had no core), the plans of the
+# next CONTENDED_SECONDS count as contended: calls up to a larger size run on the
+# calling thread alone (mh_plan_threads), since waiting for a descheduled thread
+# costs more than such a call.  Results do not depend on the thread count, so this
+# changes only the time.
 cdef double _contended_until = 0
 cdef double _contended_seconds = 0.25
 CONTENDED_SECONDS = _contended_seconds
@@ -389,15 +277,53 @@ cpdef int threads_for_call(int requested, int active_calls) noexcept:
     return n if n > 1 else 1
 
 
-cdef inline int _clamp_threads(int nt, int64_t n_items, double work=1e300):
-    """Threads for n_items items of ``work`` multiply-adds in all, given the calls in flight."""
-    nt = threads_for_call(nt, _active_calls + 1)
-    if nt > n_items:
-        nt = <int>n_items
-    if work < _serial_work or (work < _serial_work_contended and nt > 1
-                               and mh_seconds() < _contended_until):
-        nt = 1
-    return nt if nt > 1 else 1
+cdef inline int _share(int requested):
+    """This call's share of a budget of ``requested`` threads, given the calls in flight."""
+    return threads_for_call(requested, _active_calls + 1)
+
+
+cdef inline bint _contended():
+    return mh_seconds() < _contended_until
+
+
+cdef inline int _clamp_threads(int nt, int64_t n_items, double work):
+    """Threads for n_items items of ``work`` multiply-adds in all (mh_plan_threads)."""
+    return mh_plan_threads(_share(nt), n_items, work, _contended())
+
+
+cdef struct LinearPlan:
+    int64_t n_items, tile_m, tile_n
+    int threads
+
+
+cdef LinearPlan _plan_linear(int64_t m, int64_t k, int64_t n, int num_threads):
+    """Work items of out (m, n) = x (m, k) @ w (k, n): up to FEW_ROWS rows, column blocks of
+    LINEAR_COLS (the kernels' own product); more rows, BLAS tiles from the shape alone
+    (never the thread count): rows in tiles of up to 256, columns split until there are
+    about 64 tiles, in multiples of 64."""
+    cdef LinearPlan p
+    cdef int64_t m_tiles, n_tiles, target = 64
+    p.tile_m = p.tile_n = 0
+    if m <= MH_FEW_ROWS:
+        p.n_items = (n + MH_LINEAR_COLS - 1) // MH_LINEAR_COLS
+    else:
+        p.tile_m = m if m < 256 else 256
+        m_tiles = (m + p.tile_m - 1) // p.tile_m
+        n_tiles = 1
+        if m_tiles < target:
+            n_tiles = min((target + m_tiles - 1) // m_tiles, (n + 255) // 256)
+        p.tile_n = ((n + n_tiles - 1) // n_tiles + 63) // 64 * 64
+        n_tiles = (n + p.tile_n - 1) // p.tile_n
+        p.n_items = m_tiles * n_tiles
+    p.threads = _clamp_threads(num_threads, p.n_items, <double>m * k * n)
+    return p
+
+
+def explain_linear(int64_t m, int64_t k, int64_t n, int num_threads):
+    """The plan of :func:`linear` for these sizes, as a dict."""
+    cdef LinearPlan p = _plan_linear(m, k, n, num_threads)
+    return {"path": "few rows" if m <= MH_FEW_ROWS else "BLAS tiles", "work_items": p.n_items,
+            "tile": (p.tile_m, p.tile_n) if m > MH_FEW_ROWS else None, "threads": p.threads}
 
 
 def linear(x, w, bias, out, int num_threads, bint check_signals=False):
@@ -410,7 +336,7 @@ def linear(x, w, bias, out, int num_threads, bint check_signals=False):
     cdef Job job
     cdef cnp.ndarray xa = x, wa = w, oa = out
     cdef bint f64 = oa.dtype.itemsize == 8
-    cdef int64_t n_items, m_tiles, n_tiles, target = 64
+    cdef LinearPlan p
     a.m = xa.shape[0]
     a.k = xa.shape[1]
     a.n = wa.shape[1]
@@ -428,27 +354,17 @@ def linear(x, w, bias, out, int num_threads, bint check_signals=False):
     job.stride = 0
     if a.m == 0 or a.n == 0:
         return
+    p = _plan_linear(a.m, a.k, a.n, num_threads)
     if a.m <= MH_FEW_ROWS:
         job.rows = _table.linear_rows_f64 if f64 else _table.linear_rows_f32
-        n_items = (a.n + MH_LINEAR_COLS - 1) // MH_LINEAR_COLS
-        _run_items(&job, _rows_item, n_items,
-                   _clamp_threads(num_threads, n_items, <double>a.m * a.k * a.n), check_signals)
+        _run_items(&job, _rows_item, p.n_items, p.threads, check_signals)
         return
     if not has_blas():
         raise RuntimeError("no BLAS set for projections of more than FEW_ROWS rows")
-    # tiles from the shape alone (never the thread count): rows in tiles of up to
-    # 256, columns split until there are about `target` tiles, in multiples of 64
-    a.tile_m = a.m if a.m < 256 else 256
-    m_tiles = (a.m + a.tile_m - 1) // a.tile_m
-    n_tiles = 1
-    if m_tiles < target:
-        n_tiles = min((target + m_tiles - 1) // m_tiles, (a.n + 255) // 256)
-    a.tile_n = ((a.n + n_tiles - 1) // n_tiles + 63) // 64 * 64
-    n_tiles = (a.n + a.tile_n - 1) // a.tile_n
+    a.tile_m = p.tile_m
+    a.tile_n = p.tile_n
     job.tile = mh_linear_tile_f64 if f64 else mh_linear_tile_f32
-    n_items = m_tiles * n_tiles
-    _run_items(&job, _tile_item, n_items,
-               _clamp_threads(num_threads, n_items, <double>a.m * a.k * a.n), check_signals)
+    _run_items(&job, _tile_item, p.n_items, p.threads, check_signals)
 
 
 cdef void _batch_offsets(cnp.ndarray view, int n_batch, int64_t *out) noexcept:
@@ -475,42 +391,102 @@ cdef inline void *_data(object arr):
 
 
 cdef class AttentionCall:
-    """The arguments of one attention call, kept as the C struct the kernels read.
+    """One attention call: its plan and the C struct of arguments the kernels read.
 
-    Every operand is given as an array view whose leading axes enumerate the
-    (batch, head) pairs (n_pairs of them in all, broadcast views welcome) and
-    whose last two axes are (rows, columns) with whole-element strides; the
-    call computes the per-pair offset tables itself.  Arrays handed to the
+    Built from what the planner needs (shapes, storage format codes, key and
+    value row strides, what is asked for); the plan (``mh_plan_attention``)
+    is made here, once, and says among other things how many query heads one
+    work item serves (``group``), which the caller needs to lay out its views.
+    Then the caller hands the operands to the setters, as array views whose
+    leading axes enumerate the pairs the items serve (broadcast views welcome)
+    and whose last two axes are (rows, columns) with whole-element strides;
+    the call computes the per-pair offset tables itself.  Arrays handed to the
     setters are referenced until the call object dies, so the pointers stay
-    valid.
+    valid.  :meth:`run` runs the plan.
     """
     cdef mh_attn_args a
+    cdef mh_plan plan
+    cdef mh_call_desc desc
+    cdef const mh_kernel_table *table
     cdef bint is_f64
     cdef list _keep
     cdef int64_t *_offsets  # 7 tables: q, k, v, out, mask, k_scale, v_scale
     cdef int64_t _table_len
 
-    def __cinit__(self, bint float64, int64_t n_pairs, int64_t q_len, int64_t kv_len,
-                  int64_t head_dim, int64_t v_dim, int64_t group=1):
-        # with grouped query heads the query and output tables hold n_pairs * group entries
-        self._table_len = (n_pairs if n_pairs > 0 else 1) * (group if group > 1 else 1)
+    def __cinit__(self, bint float64, tuple shape, tuple formats, tuple row_bytes,
+                  int64_t gqa=1, int mask=0, bint weights=False, bint dropout=False,
+                  int split=-1, int threads=1):
+        """shape: (query pairs, L, S, E, Ev); formats: storage codes of (q, k and v,
+        out); row_bytes: row strides of (k, v); gqa: query heads per kv head (1 without
+        grouped-query attention); mask: 0 none, 1 the same for every query head, 2 per
+        query head; split: -1 automatic, 0 never, 1 when allowed; threads: requested."""
+        cdef mh_call_desc *d = &self.desc
+        self.table = _table
+        self.is_f64 = float64
+        self._keep = []
+        d.n_pairs, d.q_len, d.kv_len, d.head_dim, d.v_dim = shape
+        d.q_format, d.kv_format, self.a.out_format = formats
+        d.k_row_bytes, d.v_row_bytes = row_bytes
+        d.gqa = gqa
+        d.elem_size = 8 if float64 else 4
+        d.mask = mask > 0
+        d.mask_per_head = mask > 1
+        d.weights = weights
+        d.dropout = dropout
+        d.split = split
+        d.threads = _share(threads)
+        d.contended = _contended()
+        mh_plan_attention(d, self.table.caps_f64 if float64 else self.table.caps_f32,
+                          &self.plan)
+        # the query and output tables hold n_pairs * group entries
+        self._table_len = (self.plan.n_pairs if self.plan.n_pairs > 0 else 1) * self.plan.group
         self._offsets = <int64_t *>malloc(7 * sizeof(int64_t) * self._table_len)
         if self._offsets == NULL:
             raise MemoryError("cannot allocate the offset tables")
-        self.is_f64 = float64
-        self._keep = []
-        self.a.n_pairs = n_pairs
-        self.a.q_len = q_len
-        self.a.kv_len = kv_len
-        self.a.head_dim = head_dim
-        self.a.v_dim = v_dim
+        self.a.n_pairs = self.plan.n_pairs
+        self.a.q_len = d.q_len
+        self.a.kv_len = d.kv_len
+        self.a.head_dim = d.head_dim
+        self.a.v_dim = d.v_dim
+        self.a.plan = &self.plan
+        self.a.q_format = d.q_format
+        self.a.kv_format = d.kv_format
         self.a.scale = 1.0
-        self.a.kv_format = MH_KV_NATIVE
         self.a.mask_kind = MH_MASK_NONE
-        self.a.group = group if group > 1 else 1
 
     def __dealloc__(self):
         free(self._offsets)
+
+    @property
+    def group(self):
+        """Query heads one work item serves (1: none grouped)."""
+        return self.plan.group
+
+    def explain(self):
+        """The plan as a dict of plain values (see manyheads.explain)."""
+        cdef mh_plan *p = &self.plan
+        kinds = []  # (count, item plan): the blocks but the last of each pair, then the last
+        if p.n_split:
+            kinds.append((p.n_items, p.item[0]))
+        elif p.n_blocks > 1 and p.item[0].rows == p.item[1].rows:
+            kinds.append((p.n_items, p.item[0]))
+        else:
+            if p.n_blocks > 1:
+                kinds.append((p.n_pairs * (p.n_blocks - 1), p.item[0]))
+            kinds.append((p.n_pairs, p.item[1]))
+        # (the item plans come as dicts of their fields)
+        items = [{"count": count, "rows": ip["rows"], "path": PATH_NAMES[ip["path"]],
+                  "keys": READ_NAMES[ip["k_read"]], "values": READ_NAMES[ip["v_read"]]}
+                 for count, ip in kinds]
+        return {"isa": self.table.name.decode(), "float64": bool(self.is_f64),
+                "pairs": p.n_pairs, "group": p.group, "query_blocks": p.n_blocks,
+                "key_ranges": p.n_split, "range_keys": p.split_keys, "work_items": p.n_items,
+                "items": items, "threads": p.threads,
+                "merge_threads": p.merge_threads if p.n_split else 0,
+                "prefetch": bool(p.prefetch), "widened_rows": p.widened_rows,
+                "scratch_bytes_per_thread": p.scratch_stride,
+                "partial_bytes": p.partial_elems * (8 if self.is_f64 else 4),
+                "multiply_adds": p.work}
 
     cdef int _operand(self, mh_operand *op, int table, cnp.ndarray view, int n_batch) except -1:
         cdef int nd = cnp.PyArray_NDIM(view)
@@ -524,34 +500,27 @@ cdef class AttentionCall:
         op.col = strides[nd - 1] // view.itemsize
         return 0
 
-    def set_query(self, cnp.ndarray q, int n_batch, str fmt="native"):
-        """Queries (.., L, E) in the call's float type, or (``fmt`` "float16" or
-        "bfloat16", float32 calls) 16-bit bits (uint16) widened as they are read;
-        with bfloat16 keys and values too, the avx512bf16 path takes the dot
-        products in bfloat16 pairs.  With grouped heads the batch axes end with
-        (kv heads, group)."""
+    def set_query(self, cnp.ndarray q, int n_batch):
+        """Queries (.., L, E) in the storage the call was planned with (a 16-bit format
+        as uint16 bits).  With grouped heads the batch axes end with (kv heads, group)."""
         self._operand(&self.a.q, 0, q, n_batch)
-        self.a.q_format = KV_FORMATS[fmt]
 
-    def set_keys_values(self, cnp.ndarray k, cnp.ndarray v, int n_batch, str fmt="native",
+    def set_keys_values(self, cnp.ndarray k, cnp.ndarray v, int n_batch,
                         cnp.ndarray k_scale=None, cnp.ndarray v_scale=None):
-        """Keys (.., S, E) and values (.., S, Ev) stored as ``fmt`` (a KV_FORMATS name):
-        the call's float type, 16-bit formats as uint16 bits, int8, or int4 as uint8
-        bytes (.., S, E/2); int8 takes per-row float32 scales (.., S, 1), int4
-        float16 (scale, min) pairs per group as uint16 bits (.., S, 2 * groups)."""
+        """Keys (.., S, E) and values (.., S, Ev) in the planned storage: 16-bit formats as
+        uint16 bits, int8, or int4 as uint8 bytes (.., S, E/2); int8 takes per-row
+        float32 scales (.., S, 1), int4 float16 (scale, min) pairs per group as uint16
+        bits (.., S, 2 * groups)."""
         self._operand(&self.a.k, 1, k, n_batch)
         self._operand(&self.a.v, 2, v, n_batch)
-        self.a.kv_format = KV_FORMATS[fmt]
         if k_scale is not None:
             self._operand(&self.a.k_scale, 5, k_scale, n_batch)
             self._operand(&self.a.v_scale, 6, v_scale, n_batch)
 
-    def set_output(self, cnp.ndarray out, int n_batch, str fmt="native"):
-        """Output (.., L, Ev) in the call's float type, or (``fmt`` "float16" or
-        "bfloat16", float32 calls) as 16-bit bits (uint16) rounded to nearest even,
-        written by the kernels."""
+    def set_output(self, cnp.ndarray out, int n_batch):
+        """Output (.., L, Ev) in the planned storage (a 16-bit format as uint16 bits,
+        rounded to nearest even as the kernels write it)."""
         self._operand(&self.a.out, 3, out, n_batch)
-        self.a.out_format = KV_FORMATS[fmt]
 
     def set_mask(self, cnp.ndarray mask, int n_batch):
         """Mask (.., L, S): bool (True = may attend) or the call's float type (added);
@@ -577,68 +546,47 @@ cdef class AttentionCall:
         self._keep.append(weights)
         self.a.weights = _data(weights)
 
-    def run(self, int num_threads, int64_t split_keys=0, bint check_signals=False):
-        """Run every work item on up to ``num_threads`` OpenMP threads, GIL released.
+    def run(self, bint check_signals=False):
+        """Run the plan's work items on its threads, GIL released.
 
-        ``split_keys > 0`` selects the split-key schedule (q_len <= BLOCK_Q):
-        keys cut into ranges of that many, attended in parallel, merged in a
-        fixed order.  With ``check_signals`` (the main thread's calls) a
-        pending Ctrl-C stops the work within about SIGNAL_CHECK_SECONDS plus
-        one work item and raises.
+        With ``check_signals`` (the main thread's calls) a pending Ctrl-C stops the
+        work within about SIGNAL_CHECK_SECONDS plus one work item and raises.
         """
-        cdef int64_t n_pairs = self.a.n_pairs, q_len = self.a.q_len * self.a.group, n_items
+        cdef const mh_plan *p = &self.plan
         cdef size_t elem = 8 if self.is_f64 else 4
-        cdef int nt, t
+        cdef int t
         cdef void *raw
         cdef Job job
-        job.attn = &self.a
-        job.n_blocks = (q_len + MH_BLOCK_Q - 1) // MH_BLOCK_Q
-        job.block = _table.block_f64 if self.is_f64 else _table.block_f32
-        job.split = _table.split_f64 if self.is_f64 else _table.split_f32
-        job.merge = _table.merge_f64 if self.is_f64 else _table.merge_f32
-
-        if n_pairs == 0 or q_len == 0:
+        cdef size_t rows
+        if p.n_items == 0:
             return
-        if split_keys > 0:
-            job.n_split = (self.a.kv_len + split_keys - 1) // split_keys
-            dt = np.float64 if self.is_f64 else np.float32
-            n_items = n_pairs * job.n_split
-            parts = np.empty(n_items * q_len * (self.a.v_dim + 2), dtype=dt)
+        job.attn = &self.a
+        job.n_blocks = p.n_blocks
+        job.n_split = p.n_split
+        job.block = self.table.block_f64 if self.is_f64 else self.table.block_f32
+        job.split = self.table.split_f64 if self.is_f64 else self.table.split_f32
+        job.merge = self.table.merge_f64 if self.is_f64 else self.table.merge_f32
+        job.stride = p.scratch_stride
+        if p.n_split:
+            parts = np.empty(p.partial_elems, dtype=np.float64 if self.is_f64 else np.float32)
             self._keep.append(parts)
-            self.a.split.n_split = job.n_split
-            self.a.split.split_keys = split_keys
+            rows = p.n_items * self.a.q_len * p.group  # (items, rows) maxima and sums
             self.a.split.acc = _data(parts)
-            self.a.split.row_max = <char *>_data(parts) + elem * n_items * q_len * self.a.v_dim
-            self.a.split.row_sum = <char *>self.a.split.row_max + elem * n_items * q_len
-        else:
-            n_items = n_pairs * job.n_blocks
-        nt = _clamp_threads(num_threads, n_items, <double>n_pairs * q_len * self.a.kv_len
-                            * (self.a.head_dim + self.a.v_dim))
-        job.stride = mh_scratch_stride(self.a.head_dim, self.a.v_dim, elem)
-        # prefill over float16 / bfloat16 keys and values: each thread keeps the rows it
-        # widened for a pair, for that pair's next query blocks (WIDENED_BYTES in all)
-        self.a.kv_widened_rows = 0
-        if (split_keys == 0 and not self.is_f64 and self.a.group == 1
-                and q_len > MH_BLOCK_Q
-                and (self.a.kv_format == MH_KV_F16 or self.a.kv_format == MH_KV_BF16)
-                and mh_widened_bytes(self.a.head_dim, self.a.v_dim, self.a.kv_len) * nt
-                <= WIDENED_BYTES):
-            self.a.kv_widened_rows = self.a.kv_len
-            job.stride += mh_widened_bytes(self.a.head_dim, self.a.v_dim, self.a.kv_len)
-        raw = malloc(job.stride * nt + MH_SCRATCH_ALIGN)
+            self.a.split.row_max = <char *>_data(parts) + elem * rows * self.a.v_dim
+            self.a.split.row_sum = <char *>self.a.split.row_max + elem * rows
+        raw = malloc(job.stride * p.threads + MH_SCRATCH_ALIGN)
         if raw == NULL:
             raise MemoryError("cannot allocate the kernels' scratch")
         job.scratch = <char *>mh_scratch_align(raw)
-        if self.a.kv_widened_rows:
-            for t in range(nt):
+        if p.widened_rows:
+            for t in range(p.threads):
                 mh_widened_reset(job.scratch + t * job.stride, self.a.head_dim, self.a.v_dim)
         try:
-            if split_keys > 0:
+            if p.n_split:
                 # every (pair, key range) on its own, then each pair's ranges merged in order
-                _run_items(&job, _split_item, n_items, nt, check_signals)
-                _run_items(&job, _merge_item, n_pairs, _clamp_threads(nt, n_pairs),
-                           check_signals)
+                _run_items(&job, _split_item, p.n_items, p.threads, check_signals)
+                _run_items(&job, _merge_item, p.n_pairs, p.merge_threads, check_signals)
             else:
-                _run_items(&job, _block_item, n_items, nt, check_signals)
+                _run_items(&job, _block_item, p.n_items, p.threads, check_signals)
         finally:
             free(raw)

@@ -42,75 +42,51 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from . import _config, _core, _kernels
+from . import _config, _core, _formats, _kernels
 from ._validate import (as_float_array, check_bool, check_int, check_optional_int,
                         check_optional_real)
 
 __all__ = ["KVCache", "CacheStep"]
 
-_FORMATS_TEXT = ("float32, float64, float16, ml_dtypes.bfloat16 (or 'bfloat16'), "
-                 "'int8' or 'int4'")
-I4_GROUP = _kernels.I4_GROUP  # channels per (scale, minimum) pair of an int4 cache
-
-
-def storage_format(dtype: Any) -> str:
-    """The name of a cache storage format from what ``new_cache(dtype=...)`` accepts."""
-    if isinstance(dtype, str) and dtype in ("int8", "int4", "bfloat16"):
-        return dtype
-    try:
-        dt = np.dtype(dtype)
-    except TypeError:
-        dt = None
-    if dt is not None and dt.name in ("float32", "float64", "float16", "bfloat16"):
-        return str(dt.name)
-    raise TypeError(f"cache dtype must be one of {_FORMATS_TEXT}, got {dtype!r}")
-
-
-def _bfloat16() -> Any:
-    try:
-        import ml_dtypes
-    except ImportError:
-        raise ImportError("a bfloat16 cache needs ml_dtypes: pip install ml_dtypes") from None
-    return ml_dtypes.bfloat16
+I4_GROUP = _formats.FORMATS["int4"].group  # channels per (scale, minimum) pair of an int4 cache
 
 
 def quantize(x: np.ndarray, fmt: str) -> tuple[np.ndarray, np.ndarray | None]:
     """(stored values, scales or None) of float array x (..., D) in storage format ``fmt``.
 
-    int8: symmetric per row, float32 scales (..., 1).  int4: asymmetric per group
-    of 32 channels, two values per byte (channel 2c in the low nibble), float16
+    The formats and their layouts are ``manyheads._formats.FORMATS``.  int8:
+    symmetric per row, float32 scales (..., 1).  int4: asymmetric per group of
+    32 channels, two values per byte (channel 2c in the low nibble), float16
     scales (..., 2 * D/32) as (scale, minimum) pairs.  A row holding NaN or inf
     comes back as NaN when widened.
     """
-    if fmt in ("float32", "float64", "float16"):
-        return x.astype(fmt), None
-    if fmt == "bfloat16":
-        return x.astype(_bfloat16()), None
+    f = _formats.by_name(fmt)
+    if not f.quantized:
+        return x.astype(f.dtype), None
     # int8: scale = max|x| / 127, q = rint(x / scale) clipped to +-127; int4 per group:
     # step = (max - min) / 15, q = rint((x - min) / step) clipped to [0, 15]; a zero
     # scale or step divides by 1 (written in C, once per appended row)
-    if fmt not in ("int8", "int4"):
-        raise ValueError("fmt must be float32, float64, float16, bfloat16, int8 or int4, "
-                         f"not {fmt!r}")
-    if fmt == "int4" and x.shape[-1] % I4_GROUP:
-        raise ValueError(f"int4 rows must hold a multiple of {I4_GROUP} values, not {x.shape[-1]}")
+    if f.group and x.shape[-1] % f.group:
+        raise ValueError(f"{f.name} rows must hold a multiple of {f.group} values, "
+                         f"not {x.shape[-1]}")
     rows = np.ascontiguousarray(x, dtype=np.float32).reshape(-1, x.shape[-1])
-    q, scales = _kernels.quantize_rows(rows, fmt)
+    q, scales = _kernels.quantize_rows(rows, f.code)
     return q.reshape(x.shape[:-1] + q.shape[-1:]), scales.reshape(x.shape[:-1] + scales.shape[-1:])
 
 
 def dequantize(q: np.ndarray, scales: np.ndarray | None, fmt: str) -> np.ndarray:
     """The float32 values the kernels read from stored values (the inverse of :func:`quantize`)."""
-    if fmt in ("float32", "float64", "float16", "bfloat16"):
-        return q.astype(np.float32 if fmt != "float64" else np.float64)
+    f = _formats.by_name(fmt)
+    if not f.quantized:
+        return q.astype(np.float64 if f.name == "float64" else np.float32)
     assert scales is not None
-    if fmt == "int8":
+    if f.scales == "row":
         widened: np.ndarray = q.astype(np.float32) * scales
         return widened
     nib = np.empty(q.shape[:-1] + (2 * q.shape[-1],), np.float32)
     nib[..., 0::2], nib[..., 1::2] = q & 15, q >> 4
     pairs = scales.astype(np.float32).reshape(scales.shape[:-1] + (-1, 2))
-    g = nib.reshape(nib.shape[:-1] + (-1, I4_GROUP))
+    g = nib.reshape(nib.shape[:-1] + (-1, f.group))
     return (g * pairs[..., 0:1] + pairs[..., 1:2]).reshape(nib.shape)
 
 
@@ -148,11 +124,11 @@ class KVCache:
         num_kv_heads = check_int(num_kv_heads, "num_kv_heads", 1)
         head_dim = check_int(head_dim, "head_dim", 1)
         window = check_optional_int(window, "window", 1)
-        fmt = storage_format(dtype)
-        if fmt == "int4" and head_dim % I4_GROUP:
-            raise ValueError(f"an int4 cache needs head_dim to be a multiple of {I4_GROUP}, "
-                             f"got {head_dim}")
-        self.format = fmt
+        fmt = _formats.cache_format(dtype)
+        if fmt.group and head_dim % fmt.group:
+            raise ValueError(f"an {fmt.name} cache needs head_dim to be a multiple of "
+                             f"{fmt.group}, got {head_dim}")
+        self.format = fmt.name
         self.batch_size = int(batch_size)
         self.max_len = int(max_len)
         self.num_kv_heads = int(num_kv_heads)
@@ -160,17 +136,17 @@ class KVCache:
         self.window = window
         self.capacity = self.max_len if self.window is None else min(self.max_len, self.window)
         rows = (self.batch_size, self.num_kv_heads, self.capacity)
-        # the storage layout of one zero row (quantize defines it), allocated as zeros
-        # at full size: no float32 temporary of the whole cache
-        row, row_scales = quantize(np.zeros(self.head_dim, np.float32), fmt)
-        self.keys: np.ndarray = np.zeros(rows + row.shape, row.dtype)
+        # the storage layout of the format's rows, allocated as zeros
+        self.keys: np.ndarray = np.zeros(rows + (fmt.stored_columns(self.head_dim),), fmt.dtype)
         self.values: np.ndarray = np.zeros_like(self.keys)
         # int8: a float32 scale per stored row; int4: float16 (scale, minimum) pairs
-        # per group of I4_GROUP channels (see quantize)
-        self.key_scales: np.ndarray | None = (
-            None if row_scales is None else np.zeros(rows + row_scales.shape, row_scales.dtype))
-        self.value_scales: np.ndarray | None = (
-            None if self.key_scales is None else np.zeros_like(self.key_scales))
+        # per group of channels (see quantize)
+        self.key_scales: np.ndarray | None = None
+        self.value_scales: np.ndarray | None = None
+        if fmt.scale_dtype is not None:
+            self.key_scales = np.zeros(rows + (fmt.scale_columns(self.head_dim),),
+                                       fmt.scale_dtype)
+            self.value_scales = np.zeros_like(self.key_scales)
         self.padding: np.ndarray = np.zeros((self.batch_size, self.capacity), dtype=bool)
         self._len = 0
         self._any_padding = False
@@ -179,7 +155,7 @@ class KVCache:
     @property
     def dtype(self) -> Any:
         """The storage format as given to ``new_cache``: a numpy dtype, or "int8"/"int4"."""
-        return self.format if self.format in ("int8", "int4") else self.keys.dtype
+        return self.format if _formats.FORMATS[self.format].quantized else self.keys.dtype
 
     @property
     def compute_dtype(self) -> np.dtype:
@@ -204,8 +180,12 @@ class KVCache:
                 f"dtype={self.format}{w}, len={self._len})")
 
     def reset(self) -> None:
-        """Forget every token (the storage is kept)."""
-        self.truncate(0)
+        """Forget every token (the storage is kept); always possible, also after a
+        sliding-window cache has wrapped around."""
+        with self._holding():
+            self._len = 0
+            self.padding[:] = False
+            self._any_padding = False
 
     def truncate(self, n: int) -> None:
         """Roll back to the first ``n`` tokens (speculative decoding, beam search).

@@ -12,11 +12,12 @@ from typing import Any
 import numpy as np
 
 from . import _config, _core
+from ._core import CallPlan
 from ._validate import (ATTENTION_DTYPES_TEXT, FLOAT_DTYPES,
                         as_attention_array, as_float_array, check_bool,
                         check_dropout, check_optional_real, is_half, seed_value)
 
-__all__ = ["scaled_dot_product_attention", "linear", "SUPPORTED_DTYPES"]
+__all__ = ["scaled_dot_product_attention", "explain", "linear", "SUPPORTED_DTYPES"]
 
 SUPPORTED_DTYPES = FLOAT_DTYPES
 
@@ -134,6 +135,29 @@ def scaled_dot_product_attention(
     A query row with every key masked gives zeros (and zero weights), never
     NaN.  Results are identical for every thread count on one kernel path.
     """
+    q, k, v, mask, p, causal, s, gqa, rw, nt, half = _checked(
+        query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_weights,
+        num_threads)
+    # half precision: queries, keys and values are read in place and widened by the
+    # kernels, which round the float32 result to the input type as they write it
+    res = _core.attention(q, k, v, mask=mask, causal_offset=0 if causal else None, scale=s,
+                          dropout_p=p, seed=seed_value(seed) if p > 0 else 0, enable_gqa=gqa,
+                          return_weights=rw, num_threads=nt)
+    if half is not None and rw:
+        return res[0], res[1].astype(half)
+    return res
+
+
+# the checked arguments: q, k, v, mask, dropout_p, is_causal, scale, enable_gqa,
+# return_weights, num_threads, and the half dtype (float16 / bfloat16 inputs) or None
+_Checked = tuple[np.ndarray, np.ndarray, np.ndarray, "np.ndarray | None", float, bool, float,
+                 bool, bool, int, "np.dtype | None"]
+
+
+def _checked(query: Any, key: Any, value: Any, attn_mask: Any, dropout_p: Any, is_causal: Any,
+             scale: Any, enable_gqa: Any, return_weights: Any, num_threads: Any) -> _Checked:
+    """scaled_dot_product_attention's arguments, checked (TypeError / ValueError); a plain
+    tuple (see _Checked), cheap for the smallest calls."""
     q = as_attention_array(query, "query")
     k = as_attention_array(key, "key")
     v = as_attention_array(value, "value")
@@ -155,16 +179,55 @@ def scaled_dot_product_attention(
     compute = np.dtype(np.float32) if half is not None else q.dtype
     mask = None if attn_mask is None else _check_mask(attn_mask, compute)
     rw = check_bool(return_weights, "return_weights")
-    # half precision: queries, keys and values are read in place and widened by the
-    # kernels, which round the float32 result to the input type as they write it
-    res = _core.attention(q, k, v, mask=mask,
-                          causal_offset=0 if causal else None,
-                          scale=1.0 / math.sqrt(q.shape[-1]) if s is None else s, dropout_p=p,
-                          seed=seed_value(seed) if p > 0 else 0, enable_gqa=gqa,
-                          return_weights=rw, num_threads=nt)
-    if half is not None and rw:
-        return res[0], res[1].astype(half)
-    return res
+    return (q, k, v, mask, p, causal, 1.0 / math.sqrt(q.shape[-1]) if s is None else s,
+            gqa, rw, nt, half)
+
+
+def explain(
+    query: Any,
+    key: Any,
+    value: Any,
+    attn_mask: Any = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+    *,
+    return_weights: bool = False,
+    num_threads: int | None = None,
+) -> CallPlan:
+    """What :func:`scaled_dot_product_attention` would do with these arguments.
+
+    Nothing is computed: the call is checked and planned as it would be, and
+    the plan is returned.  The plan is made once per call, in one place, and
+    the kernels follow it: the schedule (blocks of query rows, or, for a few
+    query rows against many keys, key ranges attended in parallel and then
+    merged), how many query heads one work item serves (grouped-query
+    decode), each kind of work item's path (tile, few rows, bfloat16 pair
+    products) and how it reads the keys and values (in place, copied, or
+    widened once per thread), the threads, and the scratch memory.
+
+    Takes the arguments of :func:`scaled_dot_product_attention` (``seed`` aside).
+
+    Returns
+    -------
+    CallPlan
+        A frozen dataclass; ``str(plan)`` describes it in words.
+
+    Examples
+    --------
+    >>> import numpy as np, manyheads as mh
+    >>> q = np.zeros((1, 12, 1, 64), np.float32)
+    >>> k = v = np.zeros((1, 12, 16384, 64), np.float32)
+    >>> plan = mh.explain(q, k, v, num_threads=2)
+    >>> plan.key_ranges, plan.items[0].path
+    (32, 'few rows')
+    """
+    q, k, v, mask, p, _, _, gqa, rw, nt, _ = _checked(
+        query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_weights,
+        num_threads)
+    return _core.explain(q, k, v, mask=mask, enable_gqa=gqa, return_weights=rw, dropout_p=p,
+                         num_threads=nt)
 
 
 def linear(x: Any, weight: Any, bias: Any = None, *, num_threads: int | None = None

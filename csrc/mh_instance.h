@@ -1,0 +1,69 @@
+/*
+ * One instantiation of the attention and projection kernels for one (ISA,
+ * float type).  An ISA file maps the vector vocabulary below onto its
+ * intrinsics, declares what it can do, and includes this file once per
+ * float type; the names it defines carry the suffix FN() appends.
+ *
+ * Vocabulary (every ISA):
+ *   T            scalar type (float or double)
+ *   V            vector type holding VW lanes of T
+ *   VW           lanes per vector
+ *   NVQ, JR      score tile: NVQ query vectors x JR keys in registers
+ *   NVO, IR      output tile: IR query rows x NVO value vectors in registers
+ *   FN(x)        x with the (type, ISA) suffix appended
+ *   V_ZERO() V_SET1(x) V_LOAD(p) V_STORE(p, v)          (unaligned memory)
+ *   V_ADD V_SUB V_MUL V_MAX(a, b) V_FMA(a, b, c) = a*b+c
+ *   V_EXP(v)     exp per lane; exp(-inf) = 0; NaN stays NaN
+ *   V_NEG_INF_TO_ZERO(v)  lanes equal to -inf become 0
+ *   V_HSUM(v)    sum of the lanes
+ *
+ * Capabilities: each is defined to 1 (with the vocabulary it names) or 0.
+ *   MH_HAS_EXP2        V_EXP2(v): 2^x per lane for x <= 0 or NaN; 2^-inf = 0
+ *   MH_HAS_TRANSPOSE   V_TRANSPOSE(r): transpose the VW x VW block in V r[VW]
+ *   MH_HAS_HSUM4       V_HSUM4(a, b, c, d, out): out[0..4) = the lane sums
+ *   MH_HAS_SELECT      VM, V_MARK_HIDDEN(p, s), V_VISIBLE(p),
+ *                      V_FMA_VISIBLE(a, b, c, m): vector selects for hidden
+ *                      entries (see MH_IS_HIDDEN in mh_common.h)
+ *   MH_HAS_F16_LOAD    V_LOAD_HALF(p): VW float16 values widened to V
+ *   MH_HAS_BF16_LOAD   V_LOAD_BF16(p): VW bfloat16 values widened to V
+ *   MH_HAS_I8_LOAD     V_LOAD_I8(p): VW int8 values converted to V
+ *   MH_HAS_U4_LOAD     V_LOAD_U4(p): VW 4-bit values from VW/2 bytes (low
+ *                      nibble first) converted to V
+ *   MH_HAS_U4_SPLIT    (VW = MH_I4_GROUP / 2) V_LOAD_U4_SPLIT(p, lo, hi),
+ *                      V_SPLIT(a, b), V_UNSPLIT(a, b): a group of 32 4-bit
+ *                      values in split order (see FN(u4_row))
+ *   MH_HAS_HALF_STORE  V_STORE_HALF(p, v), V_STORE_BF16(p, v): v rounded to
+ *                      VW float16 / bfloat16 values (nearest even, NaN stays
+ *                      NaN) stored at p
+ *   MH_HAS_HALF_SCALAR S_HALF_TO_FLOAT(h), S4_HALF_TO_FLOAT(dst, src): one and
+ *                      four float16 values (bits) to float in an instruction
+ *   MH_HAS_BF16_DOT    V_DPBF16(acc, a, b) and VP, VP_LOAD, VP_STORE, VP_SET1,
+ *                      VP_LOW, VP_HIGH, VP_AS_V, VP_PAIR, VP_INTERLEAVE: the
+ *                      bfloat16 pair-product tile path (mh_pair_bf16.h)
+ * The half and integer loads and stores serve the float32 instantiations.
+ *
+ * The pieces, each in its own file:
+ *   mh_common.h     masks, dropout, widening loads, the work item's scratch
+ *   mh_tile.h       the tile path (blocks of query rows)
+ *   mh_pair_bf16.h  the tile path's bfloat16 pair products (MH_HAS_BF16_DOT)
+ *   mh_few_rows.h   the few-rows path (decode)
+ *   mh_entry.h      the entry points of mh_kernel_table
+ *   mh_linear_impl.h  the few-rows dense projection
+ * Scores are kept in log2 units throughout: see mh_common.h.
+ */
+#if !defined(MH_HAS_EXP2) || !defined(MH_HAS_TRANSPOSE) || !defined(MH_HAS_HSUM4) ||         \
+    !defined(MH_HAS_SELECT) || !defined(MH_HAS_F16_LOAD) || !defined(MH_HAS_BF16_LOAD) ||    \
+    !defined(MH_HAS_I8_LOAD) || !defined(MH_HAS_U4_LOAD) || !defined(MH_HAS_U4_SPLIT) ||     \
+    !defined(MH_HAS_HALF_STORE) || !defined(MH_HAS_HALF_SCALAR) || !defined(MH_HAS_BF16_DOT)
+#error "an ISA instantiation must declare every MH_HAS_* capability (0 or 1)"
+#endif
+
+#include "mh_common.h"
+#if MH_HAS_BF16_DOT
+#include "mh_pair_bf16.h"
+#endif
+#include "mh_tile.h"
+#include "mh_few_rows.h"
+#include "mh_entry.h"
+#include "mh_linear_impl.h"
+#include "mh_isa_end.h"
