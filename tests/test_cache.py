@@ -216,3 +216,21 @@ def test_return_weights_with_cache_cover_all_keys(rng):
     _, full_w = m(x, return_weights=True)
     assert w.shape == (1, 4, 5, 20)
     np.testing.assert_allclose(w, full_w[:, :, 15:], rtol=0, atol=1e-12)
+
+
+def test_reset_works_on_a_wrapped_sliding_window_cache(rng):
+    m = mh.MultiHeadAttention(16, 16, 64, 0.0, 2, window=4, seed=0)
+    x = normal(rng, (1, 12, 16), np.float32)
+    cache = m.new_cache(1, 64)
+    for t in range(10):  # 10 tokens through a ring of 4: it has wrapped around
+        m(x[:, t:t + 1], cache=cache)
+    with pytest.raises(ValueError, match="cannot roll back"):
+        cache.truncate(5)
+    cache.reset()
+    assert len(cache) == 0 and not cache.padding.any()
+    # after the reset the cache serves a new sequence as a fresh one does
+    fresh = m.new_cache(1, 64)
+    for t in range(6):
+        a = m(x[:, t:t + 1], cache=cache)
+        b = m(x[:, t:t + 1], cache=fresh)
+        np.testing.assert_array_equal(a, b)

@@ -115,3 +115,13 @@ def test_to_stacked_refuses_grouped_query_modules():
     m = mh.MultiHeadAttention(8, 12, 16, 0.0, 4, num_kv_heads=2, dtype=np.float64)
     with pytest.raises(ValueError, match="num_kv_heads"):
         m.to_stacked()
+
+
+def test_half_precision_array_likes_are_accepted_as_arrays_are():
+    x = np.random.default_rng(0).standard_normal((2, 3, 8)).astype(np.float16)
+    want = mh.scaled_dot_product_attention(x, x, x)
+    got = mh.scaled_dot_product_attention(list(x), list(x), x)  # lists of float16 rows
+    assert got.dtype == np.float16
+    np.testing.assert_array_equal(got, want)
+    with pytest.raises(TypeError, match="has dtype complex64; supported dtypes are float32"):
+        mh.scaled_dot_product_attention(x.astype(np.complex64), x, x)

@@ -122,6 +122,13 @@ def as_attention_array(x: Any, name: str) -> np.ndarray:
     float64); TypeError naming the supported dtypes otherwise."""
     if isinstance(x, np.ndarray) and (x.dtype in FLOAT_DTYPES or is_half(x.dtype)):
         return x
+    if not isinstance(x, np.ndarray) and x is not None:
+        try:
+            arr = np.asarray(x)
+        except Exception:  # pragma: no cover - depends on foreign objects
+            arr = None
+        if arr is not None and is_half(arr.dtype):  # a list of float16 values, a tensor
+            return arr
     try:
         return as_float_array(x, name)
     except TypeError as exc:

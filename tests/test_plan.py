@@ -1,0 +1,163 @@
+"""Each call's plan, made once before any kernel runs: what mh.explain reports is what
+the call will do (schedule, grouped heads, paths and reads, threads, scratch)."""
+import numpy as np
+import pytest
+
+import manyheads as mh
+from manyheads import _core, _formats, _kernels
+from manyheads.cache import quantize
+
+ISA = mh.kernel_isa()
+LANES_F32 = {"baseline": 4, "avx2": 8, "avx512": 16, "avx512bf16": 16}[ISA]
+# the few-rows path reads cache formats in place where the ISA widens them as they load
+READS_INT8_IN_PLACE = ISA in ("avx2", "avx512", "avx512bf16")
+
+
+def zeros(*shape, dtype=np.float32):
+    return np.zeros(shape, dtype)  # (untouched pages: free however large)
+
+
+def test_decode_against_a_long_cache_splits_the_keys():
+    q, k = zeros(1, 12, 1, 64), zeros(1, 12, 16384, 64)
+    plan = mh.explain(q, k, k, num_threads=2)
+    assert plan.schedule == "split keys"
+    assert (plan.key_ranges, plan.range_keys) == (32, 512)
+    assert plan.work_items == 12 * 32 and plan.threads == 2 and plan.merge_threads == 2
+    (item,) = plan.items
+    assert (item.count, item.rows, item.path) == (384, 1, "few rows")
+    assert (item.keys, item.values) == ("in place", "in place")
+    assert plan.prefetch  # 50 MB of keys and values: rows are asked for ahead
+    assert plan.partial_bytes == 384 * 1 * (64 + 2) * 4
+
+
+def test_decode_against_a_short_cache_runs_one_block_per_head_without_prefetch():
+    plan = mh.explain(zeros(1, 12, 1, 64), zeros(1, 12, 900, 64), zeros(1, 12, 900, 64))
+    assert plan.schedule == "query blocks" and plan.key_ranges == 0
+    assert plan.work_items == 12 and plan.items[0].path == "few rows"
+    assert not plan.prefetch and plan.partial_bytes == 0
+
+
+def test_causal_prefill_runs_query_blocks_on_the_tile_path_in_place():
+    q = zeros(1, 12, 2048, 64)
+    plan = mh.explain(q, q, q, is_causal=True, num_threads=2)
+    assert plan.schedule == "query blocks" and plan.query_blocks == 32
+    assert plan.work_items == 384 and plan.threads == 2
+    (item,) = plan.items
+    assert (item.rows, item.path, item.keys, item.values) == (64, "tile", "in place", "in place")
+    assert plan.multiply_adds == 12 * 2048 * 2048 * 128
+
+
+def test_a_short_last_query_block_takes_the_few_rows_path():
+    q = zeros(1, 3, 66, 64)
+    plan = mh.explain(q, q, q, is_causal=True)
+    full, last = plan.items
+    assert (full.count, full.rows, full.path) == (3, 64, "tile")
+    assert (last.count, last.rows, last.path) == (3, 2, "few rows")
+
+
+def test_grouped_decode_serves_the_query_heads_of_a_kv_head_in_one_item():
+    q, k = zeros(2, 32, 1, 64), zeros(2, 8, 16384, 64)
+    plan = mh.explain(q, k, k, enable_gqa=True, num_threads=2)
+    assert plan.group == 4 and plan.pairs == 16  # (batch, kv head) pairs
+    assert plan.items[0].rows == 4 and plan.key_ranges == 32
+    # a mask that differs between query heads, weights or dropout: no grouping
+    per_head = np.ones((1, 32, 1, 16384), bool)
+    assert mh.explain(q, k, k, attn_mask=per_head, enable_gqa=True).group == 1
+    assert mh.explain(q, k, k, enable_gqa=True, return_weights=True).group == 1
+    assert mh.explain(q, k, k, enable_gqa=True, dropout_p=0.1).group == 1
+    shared = np.ones((2, 1, 1, 16384), bool)
+    assert mh.explain(q, k, k, attn_mask=shared, enable_gqa=True).group == 4
+
+
+def test_weights_and_dropout_keep_the_block_schedule_and_the_tile_path():
+    q, k = zeros(1, 2, 1, 64), zeros(1, 2, 4096, 64)
+    for plan in (mh.explain(q, k, k, return_weights=True), mh.explain(q, k, k, dropout_p=0.2)):
+        assert plan.key_ranges == 0
+    assert mh.explain(q, k, k, return_weights=True).items[0].path == "tile"
+    assert mh.explain(q, k, k, dropout_p=0.2).items[0].path == "few rows"
+
+
+def test_small_calls_run_on_the_calling_thread():
+    q = zeros(1, 12, 1, 64)
+    assert mh.explain(q, zeros(1, 12, 16, 64), zeros(1, 12, 16, 64), num_threads=8).threads == 1
+    # never more threads than work items
+    q = zeros(1, 1, 64, 64)
+    assert mh.explain(q, zeros(1, 1, 4096, 64), zeros(1, 1, 4096, 64), num_threads=8).threads == 1
+
+
+def test_keys_far_apart_are_copied_by_the_tile_path():
+    # the key columns of a packed (B, T, 3 * H * D) projection: rows 4.6 KB apart
+    qkv = zeros(1, 300, 3 * 6 * 64)
+    q, k, v = (qkv[:, :, i * 384:(i + 1) * 384].reshape(1, 300, 6, 64).transpose(0, 2, 1, 3)
+               for i in range(3))
+    plan = mh.explain(q, k, v, is_causal=True)
+    assert plan.items[0].path == "tile"
+    assert (plan.items[0].keys, plan.items[0].values) == ("copied", "copied")
+    dense = np.ascontiguousarray(k)
+    assert mh.explain(q, dense, dense, is_causal=True).items[0].keys == "in place"
+
+
+def test_rows_that_are_not_whole_vectors_are_copied_by_the_few_rows_path():
+    E = LANES_F32 + 1
+    plan = mh.explain(zeros(1, 2, 1, E), zeros(1, 2, 100, E), zeros(1, 2, 100, E))
+    assert plan.items[0].path == "few rows" and plan.items[0].keys == "copied"
+
+
+@pytest.mark.parametrize("fmt", ["float16", "bfloat16", "int8", "int4"])
+def test_cache_formats_are_read_in_place_where_the_path_widens_them(fmt):
+    q, k = zeros(1, 4, 1, 64), zeros(1, 4, 2048, 64)
+    kq, ks = quantize(k, fmt)
+    plan = _core.explain(q, kq, kq, k_scale=ks, v_scale=ks, num_threads=2)
+    assert plan.kv_format == fmt and plan.query_format == "float32"
+    caps = {"float16": ISA != "baseline", "bfloat16": ISA != "baseline",
+            "int8": READS_INT8_IN_PLACE, "int4": READS_INT8_IN_PLACE}
+    want = "in place" if caps[fmt] else "copied"
+    assert (plan.items[0].keys, plan.items[0].values) == (want, want)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_half_prefill_widens_each_row_once_per_thread_or_takes_pair_products(dtype):
+    dt = _formats.FORMATS[dtype].dtype
+    q = zeros(1, 2, 1024, 64, dtype=dt)
+    plan = mh.explain(q, q, q, is_causal=True, num_threads=2)
+    item = plan.items[0]
+    if dtype == "bfloat16" and ISA == "avx512bf16":
+        assert item.path == "tile, bfloat16 pair products"
+        assert (item.keys, item.values) == ("in place", "copied") and plan.widened_rows == 0
+    else:
+        assert item.path == "tile"
+        assert (item.keys, item.values) == ("widened once per thread",) * 2
+        assert plan.widened_rows == 1024
+        assert plan.scratch_bytes > 1024 * (64 + 64) * 4  # the widened rows live there
+
+
+def test_explain_checks_its_arguments_as_the_call_does():
+    q = zeros(1, 2, 4, 8)
+    with pytest.raises(ValueError, match="last dimension"):
+        mh.explain(q, zeros(1, 2, 4, 9), zeros(1, 2, 4, 9))
+    with pytest.raises(ValueError, match="not both"):
+        mh.explain(q, q, q, attn_mask=np.ones((4, 4), bool), is_causal=True)
+    with pytest.raises(TypeError, match="num_threads"):
+        mh.explain(q, q, q, num_threads=1.5)
+
+
+def test_the_plan_reads_in_words():
+    q, k = zeros(1, 12, 1, 64), zeros(1, 12, 16384, 64)
+    text = str(mh.explain(q, k, k, num_threads=2))
+    assert f"float32 attention on the {ISA} kernels, 2 threads" in text
+    assert "32 key ranges of 512 = 384 work items" in text
+    assert "384 items of 1 row: few rows path, keys in place, values in place" in text
+
+
+def test_the_plan_gives_the_threads_a_call_uses_however_the_budget_is_set():
+    q = zeros(2, 5, 300, 40)
+    assert mh.explain(q, q, q, is_causal=True, num_threads=2).threads == 2
+    assert mh.explain(q, q, q, is_causal=True, num_threads=1).threads == 1
+
+
+def test_linear_plans_column_blocks_for_a_few_rows_and_blas_tiles_for_more():
+    few = _kernels.explain_linear(1, 576, 3072, 2)
+    assert few["path"] == "few rows" and few["work_items"] == 3072 // _kernels.LINEAR_COLS
+    assert few["threads"] == 2
+    many = _kernels.explain_linear(513, 200, 700, 2)
+    assert many["path"] == "BLAS tiles" and many["tile"][0] == 256
