@@ -3,11 +3,15 @@
 Build from the repository's root with the docs extra installed:
 
     pip install '.[docs]'
-    sphinx-build -W -b html docs docs/_build/html
+    sphinx-build -W --keep-going -b html docs docs/_build/html
 
-The first page is the README (included by index.md); the API reference is
-made by autodoc from the package's numpydoc docstrings, so the package must be
-importable (installed, with its compiled extension).
+The pages are Markdown (MyST): a short front page, the guide in guide/, the
+performance page (which includes benchmarks/results/ as the benchmark wrote
+it) and the guarantees.  The API reference in api/ is made by autodoc from
+the package's numpydoc docstrings, so the package must be importable
+(installed, with its compiled extension).  tests/test_docs.py runs the pages'
+examples and tests/test_api_reference.py checks that the reference renders
+every public method.
 """
 from __future__ import annotations
 
@@ -19,7 +23,7 @@ copyright = "the manyheads authors"
 version = release = manyheads.__version__
 
 extensions = [
-    "myst_parser",            # Markdown pages: index.md and the README it includes
+    "myst_parser",            # the Markdown pages: index, guide, performance, guarantees
     "sphinx.ext.autodoc",     # the reference, from the docstrings
     "numpydoc",               # which are written in numpydoc's format
 ]
@@ -28,7 +32,7 @@ source_suffix = {".rst": "restructuredtext", ".md": "markdown"}
 root_doc = "index"
 exclude_patterns = ["_build"]
 
-# the README's headings become the first page's sections; anchors for links to them
+# anchors for links to the pages' headings (page.md#a-heading)
 myst_heading_anchors = 3
 
 autodoc_member_order = "bysource"

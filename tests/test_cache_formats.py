@@ -11,7 +11,8 @@ from conftest import F32_ATOL, normal
 ml_dtypes = pytest.importorskip("ml_dtypes")
 HALVES = [np.float16, ml_dtypes.bfloat16]
 FORMATS = ["float16", "bfloat16", "int8", "int4"]
-# relative RMS error of the attention output for unit-normal keys and values (README)
+# relative RMS error of the attention output for unit-normal keys and values
+# (docs/guide/low-precision.md)
 RMS_BOUND = {"float16": 0.002, "bfloat16": 0.01, "int8": 0.012, "int4": 0.15}
 
 
@@ -33,9 +34,10 @@ def within_one_ulp(got, exact, extra=0.0):
 
 
 def p_rounding(dtype, q, k, v, **kw):
-    """The documented extra error of bfloat16 inputs on the avx512bf16 path (README): the
-    probabilities are rounded to bfloat16 (at most 2^-8 of each) before the value
-    product, so an output element may move by up to 2^-8 * (P |v|); 0 elsewhere."""
+    """The documented extra error of bfloat16 inputs on the avx512bf16 path
+    (docs/guide/low-precision.md): the probabilities are rounded to bfloat16 (at
+    most 2^-8 of each) before the value product, so an output element may move by
+    up to 2^-8 * (P |v|); 0 elsewhere."""
     if mh.kernel_isa() != "avx512bf16" or np.dtype(dtype) != np.dtype(ml_dtypes.bfloat16):
         return 0.0
     wide = [a.astype(np.float64) for a in (q, k, v)]

@@ -201,23 +201,3 @@ def test_random_checkpoint_loads_in_transformers_with_equal_logits(arch, tmp_pat
         ref = hf(torch.from_numpy(ids)).logits.numpy()
     ours = from_pretrained(d).logits(ids)
     assert np.abs(ours - ref).max() <= 1e-4 * np.abs(ref).max()
-
-
-def test_readme_session_runs(tmp_path, monkeypatch):
-    """The README's ``pycon`` session (manyheads.models) gives the output it shows."""
-    import doctest
-    import re
-    from pathlib import Path
-
-    pytest.importorskip("tokenizers")
-    readme = Path(__file__).resolve().parent.parent / "README.md"
-    if not readme.exists():
-        pytest.skip("README not shipped with this copy of the tests")
-    blocks = re.findall(r"```pycon\n(.*?)```", readme.read_text(), flags=re.S)
-    assert blocks, "README has no pycon session"
-    monkeypatch.chdir(tmp_path)  # the session writes a checkpoint folder
-    parser = doctest.DocTestParser()
-    runner = doctest.DocTestRunner(optionflags=doctest.NORMALIZE_WHITESPACE)
-    for i, block in enumerate(blocks):
-        runner.run(parser.get_doctest(block, {}, f"README pycon block {i}", str(readme), 0))
-    assert runner.summarize(verbose=False).failed == 0

@@ -185,4 +185,4 @@ def test_float32_at_8192_tokens_against_the_float64_oracle(rng):
     out = mh.scaled_dot_product_attention(q, k, v, is_causal=True)
     ref = oracle.scaled_dot_product_attention(q.astype(np.float64), k.astype(np.float64),
                                               v.astype(np.float64), is_causal=True)
-    assert np.abs(out - ref).max() < 2e-6  # the README's documented bound
+    assert np.abs(out - ref).max() < 2e-6  # the bound docs/guarantees.md states
