@@ -12,12 +12,13 @@ from typing import Any
 import numpy as np
 
 from . import _config, _core
-from ._core import CallPlan
+from ._core import CallPlan, ItemPlan
 from ._validate import (ATTENTION_DTYPES_TEXT, FLOAT_DTYPES,
                         as_attention_array, as_float_array, check_bool,
                         check_dropout, check_optional_real, is_half, seed_value)
 
-__all__ = ["scaled_dot_product_attention", "explain", "linear", "SUPPORTED_DTYPES"]
+__all__ = ["scaled_dot_product_attention", "explain", "CallPlan", "ItemPlan", "linear",
+           "SUPPORTED_DTYPES"]
 
 SUPPORTED_DTYPES = FLOAT_DTYPES
 
