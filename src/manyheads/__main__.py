@@ -2,8 +2,7 @@
 and ``generate``.
 
     python -m manyheads            # demo: a 768-wide, 12-head layer on built-in text
-    python -m manyheads bench      # compare with PyTorch, ONNX Runtime, OpenVINO, the oracle
-    python -m manyheads bench --section inference   # decode step, GPT-2 generation, bars
+    python -m manyheads bench      # in a source checkout: python benchmarks/run.py
     python -m manyheads info       # kernel path, OpenMP, threads
     python -m manyheads show --text "..." --out patterns.png   # every head's pattern
     python -m manyheads show --model DIR --layer 5 --text "..."  # a checkpoint's layer
@@ -346,82 +345,37 @@ def cmd_info(args: argparse.Namespace) -> int:
     return 0
 
 
-BENCH_DESCRIPTION = """\
-Time manyheads' causal attention (prefill and decode) and its fused module
-against its CPU peers, the NumPy oracle and the machine's SGEMM rate, all in
-one run on the same thread count; every figure is a ratio of medians.
+BENCH_SCRIPT = os.path.join("benchmarks", "run.py")
 
-peers (each optional: one that is not installed is skipped with a note;
-pip install 'manyheads[bench]' installs all three):
-  torch        PyTorch's torch.nn.functional.scaled_dot_product_attention
-  onnxruntime  ONNX Runtime, a one-node com.microsoft GroupQueryAttention model
-  openvino     OpenVINO, an opset-13 ScaledDotProductAttention model (CPU plugin)
+BENCH_ELSEWHERE = """\
+The benchmark is not part of the installed package: it lives in the benchmarks/
+folder of manyheads' source repository.  In a checkout, run
 
-Each peer's output is compared with manyheads' on every shape before it is
-timed; one that differs is reported and not timed.  Results (results.md,
-results.json, attention_time.png) go to --out, by default a per-user cache
-folder outside any source tree.
+    python benchmarks/run.py --help
 
-sections (--section, comma-separated; default all):
-  attention    causal SDPA prefill and decode against every peer, threads, memory;
-               a layer's decode step through float32, float16, bfloat16, int8 and
-               int4 caches (bytes per token, read rate); grouped-query decode (32
-               query heads on 8 kv heads) against the kv heads repeated; float16
-               and bfloat16 prefill against float32
-  module       the fused and stacked modules at B=8, T=1024, d=768, 12 heads
-  inference    (brings module along) float32, against PyTorch:
-               - a layer decode step: one fused layer (d=768, 12 heads, qkv bias)
-                 and one new token against a KV cache of 1024 tokens, against
-                 torch's layer written the same way (qkv F.linear, SDPA over a
-                 preallocated KV buffer, output F.linear), same weights;
-               - GPT-2-small-shaped generation (random seeded weights): a
-                 200-token prompt then 32 greedy tokens, manyheads' runner
-                 against Hugging Face generate(do_sample=False) (needs
-                 transformers), tokens/s and whether the tokens are identical;
-               - one tiny SDPA call (12 heads x 1 query x 16 keys);
-               - the layer step and manyheads' generation again in a subprocess
-                 that never imports torch, and the layer step in a subprocess
-                 with OPENBLAS_NUM_THREADS=1 (this process sets no variable);
-               - the issue's bars, each met or not with its measured ratio:
-                 layer step >= 1.5x torch, generation >= 1.3x Hugging Face's
-                 tokens/s with identical tokens, module prefill >= 1.2x torch,
-                 tiny SDPA no slower than torch, layer step within 1.2x of the
-                 OPENBLAS_NUM_THREADS=1 run.
-
-The machine's 1-minute load average is recorded at the start and the end: on
-a busy machine every figure moves, and not evenly.
-"""
+(pip install '.[bench]' there brings the peers it compares with), or from any
+folder: python -m manyheads bench --source CHECKOUT [options]."""
 
 
-def cmd_bench(args: argparse.Namespace) -> int:
-    from manyheads import _bench, _peers
+def cmd_bench(argv: Sequence[str]) -> int:
+    """Run ``benchmarks/run.py`` of a source checkout with the remaining arguments.
 
-    names = [n.strip() for n in args.peers.split(",") if n.strip()]
-    unknown = [n for n in names if n not in _bench.PEER_NAMES]
-    if unknown:
-        print(f"unknown peer(s): {', '.join(unknown)}; choose from "
-              f"{', '.join(_bench.PEER_NAMES)}", file=sys.stderr)
-        return 2
-    try:
-        sections = _bench.parse_sections(args.section)
-    except ValueError as exc:
-        print(str(exc), file=sys.stderr)
-        return 2
-    for name, version in _bench.peer_versions(names).items():
-        if version is None:
-            print("note: torch is not installed, so PyTorch is skipped "
-                  "(pip install 'manyheads[bench]' to include it)" if name == "torch"
-                  else _peers.missing_note(name))
-    out = args.out or _bench.default_out_dir()
-    res = _bench.run(quick=args.quick, out_dir=out, repeats=args.repeats,
-                     progress=not args.no_progress, peers=names, sections=sections)
-    print(res["markdown"])
-    plot = ""
-    if "attention" in sections:
-        plot = (", attention_time.png" if res.get("plot")
-                else " (no plot: pip install matplotlib)")
-    print(f"wrote results.md, results.json{plot} to {os.path.abspath(out)}")
-    return 0
+    The checkout is the current folder, or the one given by ``--source DIR``;
+    without a ``benchmarks/run.py`` there, say where the benchmark lives (exit 2).
+    """
+    p = argparse.ArgumentParser(prog="python -m manyheads bench", add_help=False,
+                                allow_abbrev=False)
+    p.add_argument("--source", default=os.curdir)
+    args, rest = p.parse_known_args(argv)
+    script = os.path.join(args.source, BENCH_SCRIPT)
+    if not os.path.isfile(script):
+        asked_help = "-h" in rest or "--help" in rest
+        print(f"no {BENCH_SCRIPT} in {os.path.abspath(args.source)}\n{BENCH_ELSEWHERE}",
+              file=sys.stdout if asked_help else sys.stderr)
+        return 0 if asked_help else 2
+    import subprocess
+
+    return subprocess.call([sys.executable, script, *rest])
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -430,21 +384,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command")
     sub.add_parser("demo", help="run the demo (the default)")
     sub.add_parser("info", help="show the kernel path, OpenMP and thread count")
-    b = sub.add_parser("bench", help="benchmark against PyTorch, ONNX Runtime, OpenVINO, "
-                                     "the oracle and SGEMM",
-                       description=BENCH_DESCRIPTION,
-                       formatter_class=argparse.RawDescriptionHelpFormatter)
-    b.add_argument("--quick", action="store_true", help="fewer sizes")
-    b.add_argument("--repeats", type=int, default=7, help="timed calls per case (median)")
-    b.add_argument("--out", default=None,
-                   help="folder for table, JSON and plot (default: a per-user cache folder, "
-                        "printed at the end)")
-    b.add_argument("--peers", default="torch,onnxruntime,openvino",
-                   help="comma-separated peers to include (default: %(default)s)")
-    b.add_argument("--section", default="all",
-                   help="parts to run, comma-separated: attention, module, inference "
-                        "(inference brings module along), or all (default: %(default)s)")
-    b.add_argument("--no-progress", action="store_true")
+    sub.add_parser("bench", add_help=False,
+                   help="run the benchmark of a source checkout (benchmarks/run.py; "
+                        "--source DIR names the checkout)")
     sh = sub.add_parser("show", help="draw every head's attention pattern for a text")
     sh.add_argument("--text", default="the cat sat on the mat. the cat sat on the mat.")
     sh.add_argument("--out", default="patterns.png", help="PNG file to write")
@@ -467,8 +409,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                                          "(default: float32, the model's own)")
     g.add_argument("--ignore-eos", action="store_true",
                    help="keep generating past the end-of-sequence token")
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["bench"]:  # every option after it belongs to benchmarks/run.py
+        return cmd_bench(argv[1:])
     args = parser.parse_args(argv)
-    handlers = {None: cmd_demo, "demo": cmd_demo, "info": cmd_info, "bench": cmd_bench,
+    handlers = {None: cmd_demo, "demo": cmd_demo, "info": cmd_info,
                 "show": cmd_show, "generate": cmd_generate}
     return handlers[args.command](args)
 
