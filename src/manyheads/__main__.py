@@ -378,7 +378,8 @@ def cmd_bench(argv: Sequence[str]) -> int:
     return subprocess.call([sys.executable, script, *rest])
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The command line of ``python -m manyheads`` (``bench`` hands its arguments on)."""
     parser = argparse.ArgumentParser(prog="python -m manyheads", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command")
@@ -388,14 +389,18 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="run the benchmark of a source checkout (benchmarks/run.py; "
                         "--source DIR names the checkout)")
     sh = sub.add_parser("show", help="draw every head's attention pattern for a text")
-    sh.add_argument("--text", default="the cat sat on the mat. the cat sat on the mat.")
+    sh.add_argument("--text", default="the cat sat on the mat. the cat sat on the mat.",
+                    help="the text whose tokens are drawn: one token per byte, or with "
+                         "--model the checkpoint's tokens (token ids such as \"1 2 3\" "
+                         "without tokenizer.json) (default: %(default)r)")
     sh.add_argument("--out", default="patterns.png", help="PNG file to write")
     sh.add_argument("--weights", help="a module saved with MultiHeadAttention.save")
     sh.add_argument("--model", help="a checkpoint folder (config.json + *.safetensors): "
                                     "draw one of its layers for the text's tokens")
     sh.add_argument("--layer", type=int, help="with --model: the layer to draw (default: the "
                                               "middle one; negative counts from the end)")
-    sh.add_argument("--dpi", type=int, default=110)
+    sh.add_argument("--dpi", type=int, default=110,
+                    help="resolution of the PNG, dots per inch (default: %(default)s)")
     sh.add_argument("--scale", choices=("row", "power", "log", "linear"), default="row",
                     help="colour scale: each row divided by its largest weight (default), "
                          "a power (gamma 0.5) or log scale of the weights, or linear")
@@ -404,15 +409,20 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="checkpoint folder: config.json, *.safetensors, tokenizer.json")
     g.add_argument("--prompt", required=True,
                    help="the text (token ids such as \"1 2 3\" without tokenizer.json)")
-    g.add_argument("--max-new-tokens", type=int, default=32)
+    g.add_argument("--max-new-tokens", type=int, default=32,
+                   help="tokens to generate after the prompt (default: %(default)s)")
     g.add_argument("--cache-dtype", help="KV cache storage: float16, bfloat16, int8 or int4 "
                                          "(default: float32, the model's own)")
     g.add_argument("--ignore-eos", action="store_true",
                    help="keep generating past the end-of-sequence token")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["bench"]:  # every option after it belongs to benchmarks/run.py
         return cmd_bench(argv[1:])
-    args = parser.parse_args(argv)
+    args = build_parser().parse_args(argv)
     handlers = {None: cmd_demo, "demo": cmd_demo, "info": cmd_info,
                 "show": cmd_show, "generate": cmd_generate}
     return handlers[args.command](args)
