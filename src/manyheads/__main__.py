@@ -209,6 +209,23 @@ def _encode(tok: Any, text: str) -> list[int]:
                          f"e.g. \"1 2 3\" (got {text!r})") from None
 
 
+def _check_prompt(model: Any, ids: list[int], new_tokens: int) -> None:
+    """Refuse what the model would refuse, before the prompt is echoed: no tokens, ids
+    outside the vocabulary, a negative count, more tokens than the context holds."""
+    if not ids:
+        raise ValueError("the prompt has no tokens")
+    vocab = model.vocab_size
+    bad = [t for t in ids if not 0 <= t < vocab]
+    if bad:
+        raise ValueError(f"token id {bad[0]} is outside the vocabulary: ids must be in "
+                         f"[0, {vocab - 1}] (vocab_size={vocab})")
+    if new_tokens < 0:
+        raise ValueError(f"--max-new-tokens must be 0 or more, got {new_tokens}")
+    if len(ids) + new_tokens > model.context_length:
+        raise ValueError(f"the prompt's {len(ids)} tokens and {new_tokens} new ones exceed "
+                         f"the model's context length {model.context_length}")
+
+
 def _token_labels(tok: Any, ids: list[int]) -> list[str]:
     if tok is None:
         return [str(i) for i in ids]
@@ -282,9 +299,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         model, tok = _load_checkpoint(args.model)
         load_s = time.perf_counter() - t0
         ids = _encode(tok, args.prompt)
-        if not ids:
-            raise ValueError("the prompt has no tokens")
         n = args.max_new_tokens
+        _check_prompt(model, ids, n)  # before anything is printed
         # the storage name goes to KVCache as it is; it checks it and names what it accepts
         caches = model.new_caches(1, len(ids) + n, args.cache_dtype) if n else []
     except (OSError, ValueError, TypeError, ImportError) as exc:
