@@ -8,7 +8,7 @@ Both generate greedily with a KV cache; their tokens must be identical.
 
 Printed: tokens/s of ``generate`` at a 128-token prompt with 32 new tokens (the whole
 call, prompt included), the decode rate alone, and the time to the first token at a
-512-token prompt.  Medians of interleaved rounds (``manyheads._bench.compare``), every
+512-token prompt.  Medians of interleaved rounds (``benchmarks.timing.compare``), every
 ratio from one run.
 
     python benchmarks/bench_generate.py [--rounds 5] [--layers 30] [--out DIR]
@@ -21,12 +21,16 @@ import sys
 import tempfile
 import time
 
-import numpy as np
+if __package__ in (None, ""):
+    # run as a script: import the benchmark package from the checkout's root
+    sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-import manyheads as mh
-from manyheads import _bench
-from manyheads.models import from_pretrained
-from manyheads.models.random import save_random_checkpoint
+import numpy as np  # noqa: E402
+
+import manyheads as mh  # noqa: E402
+from benchmarks.timing import compare  # noqa: E402
+from manyheads.models import from_pretrained  # noqa: E402
+from manyheads.models.random import save_random_checkpoint  # noqa: E402
 
 SMOLLM2_135M = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536,
                     num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
@@ -110,11 +114,11 @@ def main() -> int:
 
     decode_s: dict[str, list[float]] = {"manyheads": [], "transformers": []}
     t_start = time.perf_counter()
-    gen = _bench.compare({
+    gen = compare({
         "manyheads": lambda: ours.generate(prompt, args.new),
         "transformers": lambda: hf_generate(tp, args.new),
     }, rounds=args.rounds, per_round=2)
-    ttft = _bench.compare({
+    ttft = compare({
         "manyheads": lambda: ours.generate(long_prompt, 1),
         "transformers": lambda: hf_generate(tlp, 1),
     }, rounds=args.rounds, per_round=2)

@@ -77,6 +77,22 @@ def test_generate_errors_are_one_line(ids_only, args, message):
     assert message in res.stderr and "Traceback" not in res.stderr
 
 
+@pytest.mark.parametrize("args, message", [
+    (["--prompt", "1 2 3000"], "token id 3000 is outside the vocabulary"),
+    (["--prompt", "1 -2 3"], "token id -2 is outside the vocabulary"),
+    (["--prompt", "1 2", "--max-new-tokens", "600"], "context length 512"),
+    (["--prompt", "1 2", "--max-new-tokens", "-1"], "--max-new-tokens must be 0 or more"),
+    (["--prompt", " "], "the prompt has no tokens"),
+])
+def test_a_prompt_the_model_cannot_take_is_refused_before_anything_is_printed(ids_only, args,
+                                                                                message):
+    res = cli("generate", "--model", ids_only, *args)
+    assert res.returncode == 2
+    assert res.stdout == ""  # the prompt is not echoed
+    err = res.stderr.strip()
+    assert err.startswith("error: ") and message in err and "\n" not in err
+
+
 def test_generate_missing_folder(tmp_path):
     res = cli("generate", "--model", str(tmp_path / "nowhere"), "--prompt", "1 2")
     assert res.returncode == 2 and "no checkpoint folder" in res.stderr

@@ -219,7 +219,7 @@ if grep -iE "(warning|error):" "$work/build.log"; then echo "(build warnings abo
 cat > "$rootfs$build_dir/config.py" <<'PY'
 import manyheads as mh
 mh.show_config()
-c = mh._config.config()
+c = mh.show_config(mode="dicts")
 assert c["kernel_isa"] == "baseline", c
 assert c["openmp"], "built without OpenMP"
 print(mh._kernels.__file__)

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Prove the wheels here, without cibuildwheel's containers:
 #   1. build an sdist and a wheel (python -m build) from the tracked files of this checkout;
+#      the wheel holds no benchmark module (benchmarks/ ships in the sdist only);
 #   2. repair the wheel with auditwheel (libgomp copied in, a manylinux tag) and show it;
 #   3. install the repaired wheel alone into a fresh virtual environment with no compiler
 #      reachable (CC=false) and run the test suite there;
@@ -34,6 +35,16 @@ if [ "$(uname -m)" = x86_64 ]; then
     echo "host-tuning CFLAGS dropped; no compile command carries -march"
 fi
 
+step "the benchmark stays in the source tree"
+# benchmarks/ (python benchmarks/run.py) is not installed: no module of it in the wheel,
+# nor the package-internal copies it once had; the sdist carries it for source checkouts
+if unzip -Z1 "$work/dist/"*.whl | grep -E '(^|/)benchmarks/|(^|/)_?(bench|peers)\.py$'; then
+    echo "the wheel holds benchmark modules (above)"; exit 1
+fi
+tar -tzf "$work/dist/"*.tar.gz | grep -q "/benchmarks/run\.py$" \
+    || { echo "the sdist has no benchmarks/run.py"; exit 1; }
+echo "no benchmark module in the wheel; benchmarks/run.py in the sdist"
+
 step "auditwheel repair + show"
 PATH="$work/tools/bin:$PATH" "$work/tools/bin/auditwheel" repair --wheel-dir "$work/wheelhouse" "$work/dist/"*.whl
 PATH="$work/tools/bin:$PATH" "$work/tools/bin/auditwheel" show "$work/wheelhouse/"*.whl
@@ -63,7 +74,7 @@ MANYHEADS_NO_OPENMP=1 quiet_pip "$work/noomp-env" --no-cache-dir "$work/dist/"*.
 "$work/noomp-env/bin/python" -c "
 import manyheads as mh
 mh.show_config()
-assert not mh._config.config()['openmp'] and mh.get_num_threads() == 1
+assert not mh.show_config(mode='dicts')['openmp'] and mh.get_num_threads() == 1
 "
 run_tests "$work/noomp-env"
 echo

@@ -14,7 +14,7 @@ LDFLAGS="-fsanitize=address,undefined" \
     "$work/env/bin/python" -m pip install --quiet --no-cache-dir "$work/src" > "$work/build.log" 2>&1 \
     || { tail -30 "$work/build.log"; exit 1; }
 LD_PRELOAD="$asan $ubsan" ASAN_OPTIONS=detect_leaks=0 \
-    "$work/env/bin/python" -c "import manyheads as mh; assert mh._config.config()['openmp']"
+    "$work/env/bin/python" -c "import manyheads as mh; assert mh.show_config(mode='dicts')['openmp']"
 
 echo "=== test suite under ASan/UBSan"
 # Python itself is not instrumented: preload the runtimes; CPython's arenas look like leaks

@@ -2,8 +2,7 @@
 and ``generate``.
 
     python -m manyheads            # demo: a 768-wide, 12-head layer on built-in text
-    python -m manyheads bench      # compare with PyTorch, ONNX Runtime, OpenVINO, the oracle
-    python -m manyheads bench --section inference   # decode step, GPT-2 generation, bars
+    python -m manyheads bench      # in a source checkout: python benchmarks/run.py
     python -m manyheads info       # kernel path, OpenMP, threads
     python -m manyheads show --text "..." --out patterns.png   # every head's pattern
     python -m manyheads show --model DIR --layer 5 --text "..."  # a checkpoint's layer
@@ -128,7 +127,7 @@ def _time(fn: Callable[[], Any], repeats: int = 5) -> tuple[float, Any]:
 
 def cmd_demo(args: argparse.Namespace) -> int:
     d, H = 768, 12
-    x, tokens = demo_input(d)
+    x, _ = demo_input(d)
     T = x.shape[0]
     print(f"manyheads {mh.__version__} demo: causal self-attention, d_model={d}, {H} heads "
           f"(head_dim {d // H}), {T} byte tokens of built-in text, float32")
@@ -171,11 +170,13 @@ def cmd_demo(args: argparse.Namespace) -> int:
             t_torch, y_torch = _time(torch_layer)
         print(f"  PyTorch SDPA layer {t_torch * 1e3:8.2f} ms  "
               f"(same weights; largest |torch - oracle|: {np.abs(y_torch.numpy() - ref).max():.2e})")
-    _, w = fused(x, return_weights=True)
-    last = w[:, -1]  # every head's weights for the final token
-    top = np.argsort(last.mean(0))[::-1][:6]
-    print("the final token attends most (mean over heads) to: "
-          + ", ".join(f"{tokens[i]!r} at {i}" for i in top))
+    _, w = fused(x, return_weights=True)  # (H, T, T): row i holds token i's weights
+    ahead = float(np.triu(w, 1).max())  # weights on later tokens
+    row_sums = float(np.abs(w.sum(-1) - 1.0).max())
+    print(f"attention weights ({H} heads, {T}x{T}): largest weight on a later token "
+          f"{ahead:g} (the causal mask); each row sums to 1 within {row_sums:.0e}")
+    print("the weights are random (seed 42), so which tokens a head favours means nothing; "
+          "`python -m manyheads show` draws hand-set heads")
     return 0
 
 
@@ -206,6 +207,23 @@ def _encode(tok: Any, text: str) -> list[int]:
     except ValueError:
         raise ValueError("this checkpoint has no tokenizer.json: give the prompt as token ids, "
                          f"e.g. \"1 2 3\" (got {text!r})") from None
+
+
+def _check_prompt(model: Any, ids: list[int], new_tokens: int) -> None:
+    """Refuse what the model would refuse, before the prompt is echoed: no tokens, ids
+    outside the vocabulary, a negative count, more tokens than the context holds."""
+    if not ids:
+        raise ValueError("the prompt has no tokens")
+    vocab = model.vocab_size
+    bad = [t for t in ids if not 0 <= t < vocab]
+    if bad:
+        raise ValueError(f"token id {bad[0]} is outside the vocabulary: ids must be in "
+                         f"[0, {vocab - 1}] (vocab_size={vocab})")
+    if new_tokens < 0:
+        raise ValueError(f"--max-new-tokens must be 0 or more, got {new_tokens}")
+    if len(ids) + new_tokens > model.context_length:
+        raise ValueError(f"the prompt's {len(ids)} tokens and {new_tokens} new ones exceed "
+                         f"the model's context length {model.context_length}")
 
 
 def _token_labels(tok: Any, ids: list[int]) -> list[str]:
@@ -281,9 +299,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         model, tok = _load_checkpoint(args.model)
         load_s = time.perf_counter() - t0
         ids = _encode(tok, args.prompt)
-        if not ids:
-            raise ValueError("the prompt has no tokens")
         n = args.max_new_tokens
+        _check_prompt(model, ids, n)  # before anything is printed
         # the storage name goes to KVCache as it is; it checks it and names what it accepts
         caches = model.new_caches(1, len(ids) + n, args.cache_dtype) if n else []
     except (OSError, ValueError, TypeError, ImportError) as exc:
@@ -346,114 +363,62 @@ def cmd_info(args: argparse.Namespace) -> int:
     return 0
 
 
-BENCH_DESCRIPTION = """\
-Time manyheads' causal attention (prefill and decode) and its fused module
-against its CPU peers, the NumPy oracle and the machine's SGEMM rate, all in
-one run on the same thread count; every figure is a ratio of medians.
+BENCH_SCRIPT = os.path.join("benchmarks", "run.py")
 
-peers (each optional: one that is not installed is skipped with a note;
-pip install 'manyheads[bench]' installs all three):
-  torch        PyTorch's torch.nn.functional.scaled_dot_product_attention
-  onnxruntime  ONNX Runtime, a one-node com.microsoft GroupQueryAttention model
-  openvino     OpenVINO, an opset-13 ScaledDotProductAttention model (CPU plugin)
+BENCH_ELSEWHERE = """\
+The benchmark is not part of the installed package: it lives in the benchmarks/
+folder of manyheads' source repository.  In a checkout, run
 
-Each peer's output is compared with manyheads' on every shape before it is
-timed; one that differs is reported and not timed.  Results (results.md,
-results.json, attention_time.png) go to --out, by default a per-user cache
-folder outside any source tree.
+    python benchmarks/run.py --help
 
-sections (--section, comma-separated; default all):
-  attention    causal SDPA prefill and decode against every peer, threads, memory;
-               a layer's decode step through float32, float16, bfloat16, int8 and
-               int4 caches (bytes per token, read rate); grouped-query decode (32
-               query heads on 8 kv heads) against the kv heads repeated; float16
-               and bfloat16 prefill against float32
-  module       the fused and stacked modules at B=8, T=1024, d=768, 12 heads
-  inference    (brings module along) float32, against PyTorch:
-               - a layer decode step: one fused layer (d=768, 12 heads, qkv bias)
-                 and one new token against a KV cache of 1024 tokens, against
-                 torch's layer written the same way (qkv F.linear, SDPA over a
-                 preallocated KV buffer, output F.linear), same weights;
-               - GPT-2-small-shaped generation (random seeded weights): a
-                 200-token prompt then 32 greedy tokens, manyheads' runner
-                 against Hugging Face generate(do_sample=False) (needs
-                 transformers), tokens/s and whether the tokens are identical;
-               - one tiny SDPA call (12 heads x 1 query x 16 keys);
-               - the layer step and manyheads' generation again in a subprocess
-                 that never imports torch, and the layer step in a subprocess
-                 with OPENBLAS_NUM_THREADS=1 (this process sets no variable);
-               - the issue's bars, each met or not with its measured ratio:
-                 layer step >= 1.5x torch, generation >= 1.3x Hugging Face's
-                 tokens/s with identical tokens, module prefill >= 1.2x torch,
-                 tiny SDPA no slower than torch, layer step within 1.2x of the
-                 OPENBLAS_NUM_THREADS=1 run.
-
-The machine's 1-minute load average is recorded at the start and the end: on
-a busy machine every figure moves, and not evenly.
-"""
+(pip install '.[bench]' there brings the peers it compares with), or from any
+folder: python -m manyheads bench --source CHECKOUT [options]."""
 
 
-def cmd_bench(args: argparse.Namespace) -> int:
-    from manyheads import _bench, _peers
+def cmd_bench(argv: Sequence[str]) -> int:
+    """Run ``benchmarks/run.py`` of a source checkout with the remaining arguments.
 
-    names = [n.strip() for n in args.peers.split(",") if n.strip()]
-    unknown = [n for n in names if n not in _bench.PEER_NAMES]
-    if unknown:
-        print(f"unknown peer(s): {', '.join(unknown)}; choose from "
-              f"{', '.join(_bench.PEER_NAMES)}", file=sys.stderr)
-        return 2
-    try:
-        sections = _bench.parse_sections(args.section)
-    except ValueError as exc:
-        print(str(exc), file=sys.stderr)
-        return 2
-    for name, version in _bench.peer_versions(names).items():
-        if version is None:
-            print("note: torch is not installed, so PyTorch is skipped "
-                  "(pip install 'manyheads[bench]' to include it)" if name == "torch"
-                  else _peers.missing_note(name))
-    out = args.out or _bench.default_out_dir()
-    res = _bench.run(quick=args.quick, out_dir=out, repeats=args.repeats,
-                     progress=not args.no_progress, peers=names, sections=sections)
-    print(res["markdown"])
-    plot = ""
-    if "attention" in sections:
-        plot = (", attention_time.png" if res.get("plot")
-                else " (no plot: pip install matplotlib)")
-    print(f"wrote results.md, results.json{plot} to {os.path.abspath(out)}")
-    return 0
+    The checkout is the current folder, or the one given by ``--source DIR``;
+    without a ``benchmarks/run.py`` there, say where the benchmark lives (exit 2).
+    """
+    p = argparse.ArgumentParser(prog="python -m manyheads bench", add_help=False,
+                                allow_abbrev=False)
+    p.add_argument("--source", default=os.curdir)
+    args, rest = p.parse_known_args(argv)
+    script = os.path.join(args.source, BENCH_SCRIPT)
+    if not os.path.isfile(script):
+        asked_help = "-h" in rest or "--help" in rest
+        print(f"no {BENCH_SCRIPT} in {os.path.abspath(args.source)}\n{BENCH_ELSEWHERE}",
+              file=sys.stdout if asked_help else sys.stderr)
+        return 0 if asked_help else 2
+    import subprocess
+
+    return subprocess.call([sys.executable, script, *rest])
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The command line of ``python -m manyheads`` (``bench`` hands its arguments on)."""
     parser = argparse.ArgumentParser(prog="python -m manyheads", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command")
     sub.add_parser("demo", help="run the demo (the default)")
     sub.add_parser("info", help="show the kernel path, OpenMP and thread count")
-    b = sub.add_parser("bench", help="benchmark against PyTorch, ONNX Runtime, OpenVINO, "
-                                     "the oracle and SGEMM",
-                       description=BENCH_DESCRIPTION,
-                       formatter_class=argparse.RawDescriptionHelpFormatter)
-    b.add_argument("--quick", action="store_true", help="fewer sizes")
-    b.add_argument("--repeats", type=int, default=7, help="timed calls per case (median)")
-    b.add_argument("--out", default=None,
-                   help="folder for table, JSON and plot (default: a per-user cache folder, "
-                        "printed at the end)")
-    b.add_argument("--peers", default="torch,onnxruntime,openvino",
-                   help="comma-separated peers to include (default: %(default)s)")
-    b.add_argument("--section", default="all",
-                   help="parts to run, comma-separated: attention, module, inference "
-                        "(inference brings module along), or all (default: %(default)s)")
-    b.add_argument("--no-progress", action="store_true")
+    sub.add_parser("bench", add_help=False,
+                   help="run the benchmark of a source checkout (benchmarks/run.py; "
+                        "--source DIR names the checkout)")
     sh = sub.add_parser("show", help="draw every head's attention pattern for a text")
-    sh.add_argument("--text", default="the cat sat on the mat. the cat sat on the mat.")
+    sh.add_argument("--text", default="the cat sat on the mat. the cat sat on the mat.",
+                    help="the text whose tokens are drawn: one token per byte, or with "
+                         "--model the checkpoint's tokens (token ids such as \"1 2 3\" "
+                         "without tokenizer.json) (default: %(default)r)")
     sh.add_argument("--out", default="patterns.png", help="PNG file to write")
     sh.add_argument("--weights", help="a module saved with MultiHeadAttention.save")
     sh.add_argument("--model", help="a checkpoint folder (config.json + *.safetensors): "
                                     "draw one of its layers for the text's tokens")
     sh.add_argument("--layer", type=int, help="with --model: the layer to draw (default: the "
                                               "middle one; negative counts from the end)")
-    sh.add_argument("--dpi", type=int, default=110)
+    sh.add_argument("--dpi", type=int, default=110,
+                    help="resolution of the PNG, dots per inch (default: %(default)s)")
     sh.add_argument("--scale", choices=("row", "power", "log", "linear"), default="row",
                     help="colour scale: each row divided by its largest weight (default), "
                          "a power (gamma 0.5) or log scale of the weights, or linear")
@@ -462,13 +427,21 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="checkpoint folder: config.json, *.safetensors, tokenizer.json")
     g.add_argument("--prompt", required=True,
                    help="the text (token ids such as \"1 2 3\" without tokenizer.json)")
-    g.add_argument("--max-new-tokens", type=int, default=32)
+    g.add_argument("--max-new-tokens", type=int, default=32,
+                   help="tokens to generate after the prompt (default: %(default)s)")
     g.add_argument("--cache-dtype", help="KV cache storage: float16, bfloat16, int8 or int4 "
                                          "(default: float32, the model's own)")
     g.add_argument("--ignore-eos", action="store_true",
                    help="keep generating past the end-of-sequence token")
-    args = parser.parse_args(argv)
-    handlers = {None: cmd_demo, "demo": cmd_demo, "info": cmd_info, "bench": cmd_bench,
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["bench"]:  # every option after it belongs to benchmarks/run.py
+        return cmd_bench(argv[1:])
+    args = build_parser().parse_args(argv)
+    handlers = {None: cmd_demo, "demo": cmd_demo, "info": cmd_info,
                 "show": cmd_show, "generate": cmd_generate}
     return handlers[args.command](args)
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import TypedDict
+from typing import Any, Literal, TypedDict, overload
 
 from . import _blas, _kernels
 from ._platform import library_of
@@ -140,7 +140,8 @@ def openmp_library() -> str | None:
 threads_for_call = _kernels.threads_for_call
 
 
-def config() -> dict[str, object]:
+def config() -> dict[str, Any]:
+    """The build and run-time configuration as a dict (what ``show_config`` prints)."""
     import numpy as np
 
     return {
@@ -155,6 +156,7 @@ def config() -> dict[str, object]:
         "forked_child": bool(_state["forked"]),
         "blas": _blas.describe(),
         "num_threads": get_num_threads(),
+        "num_threads_set": _state["num_threads"],
         "block_q": int(_kernels.BLOCK_Q),
         "block_k": int(_kernels.BLOCK_K),
         "numpy": np.__version__,
@@ -162,9 +164,51 @@ def config() -> dict[str, object]:
     }
 
 
-def show_config() -> None:
-    """Print the build and run-time configuration: kernel path, OpenMP, threads."""
+_SHOW_MODES = ("stdout", "dicts")
+
+
+@overload
+def show_config(mode: Literal["stdout"] = ...) -> None: ...
+
+
+@overload
+def show_config(mode: Literal["dicts"]) -> dict[str, Any]: ...
+
+
+def show_config(mode: str = "stdout") -> dict[str, Any] | None:
+    """Print, or return, the build and run-time configuration: kernel path, OpenMP, threads.
+
+    Parameters
+    ----------
+    mode : {"stdout", "dicts"}
+        ``"stdout"`` (default) prints a readable summary and returns None;
+        ``"dicts"`` prints nothing and returns the configuration as a dict, as
+        ``numpy.show_config(mode="dicts")`` does.
+
+    Returns
+    -------
+    dict or None
+        With ``mode="dicts"``, a new dict of plain values: ``version``,
+        ``kernel_isa`` (the path in use), ``isa_forced_by_env`` (chosen by
+        ``MANYHEADS_ISA``), ``isa_compiled`` and ``isa_supported_by_cpu``
+        (lists of path names, best first), ``openmp`` (bool),
+        ``openmp_version`` (the ``_OPENMP`` date, 0 without OpenMP),
+        ``openmp_library`` (path or None), ``forked_child`` (bool),
+        ``blas`` (the projections' BLAS), ``num_threads`` (what the next
+        call will use), ``num_threads_set`` (the count given to
+        :func:`set_num_threads`, None while the default applies),
+        ``block_q`` and ``block_k`` (the kernels' query and key block
+        rows), ``numpy`` and ``python`` (versions).
+    """
+    if not isinstance(mode, str):
+        raise TypeError(f"mode must be a str, one of {', '.join(map(repr, _SHOW_MODES))}; "
+                        f"got {type(mode).__name__}")
+    if mode not in _SHOW_MODES:
+        raise ValueError(f"mode must be one of {', '.join(map(repr, _SHOW_MODES))}, "
+                         f"got {mode!r}")
     c = config()
+    if mode == "dicts":
+        return c
     omp = (
         f"yes (OpenMP {c['openmp_version']})"
         if c["openmp"]
@@ -174,8 +218,8 @@ def show_config() -> None:
     lines = [
         f"manyheads {c['version']}",
         f"  kernel path      : {c['kernel_isa']}{forced}",
-        f"  compiled paths   : {', '.join(c['isa_compiled'])}",  # type: ignore[arg-type]
-        f"  CPU can run      : {', '.join(c['isa_supported_by_cpu'])}",  # type: ignore[arg-type]
+        f"  compiled paths   : {', '.join(c['isa_compiled'])}",
+        f"  CPU can run      : {', '.join(c['isa_supported_by_cpu'])}",
         f"  OpenMP           : {omp}",
         f"  OpenMP runtime   : {c['openmp_library'] or '-'}",
         f"  threads          : {c['num_threads']}"
@@ -186,3 +230,4 @@ def show_config() -> None:
         f"  python           : {c['python']}",
     ]
     print("\n".join(lines))
+    return None

@@ -243,9 +243,9 @@ def plot_attention(weights: Any, tokens: Sequence[Any] | None = None,
         im = ax.imshow(img, cmap=colormap, norm=norm, interpolation="nearest", aspect="auto")
         ax.set_title(f"head {h}", fontsize=10)
         if colorbar:
-            bar = fig.colorbar(im, ax=ax, fraction=0.06, pad=0.02)
-            bar.set_label(bar_label, fontsize=7)
-            bar.ax.tick_params(labelsize=6)
+            cbar = fig.colorbar(im, ax=ax, fraction=0.06, pad=0.02)
+            cbar.set_label(bar_label, fontsize=7)
+            cbar.ax.tick_params(labelsize=6)
         if labels is not None:
             ax.set_xticks(range(0, S, step))
             ax.set_xticklabels(labels[::step], rotation=0 if short else 90, fontsize=font,

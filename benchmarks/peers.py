@@ -1,11 +1,15 @@
-"""Attention in other CPU runtimes, for the benchmark: ONNX Runtime and OpenVINO.
+"""The benchmark's peers: PyTorch's SDPA, ONNX Runtime and OpenVINO, and the check
+each one passes before it is timed.
 
-Each peer is built in memory for one head count and head size, with the
-thread count manyheads uses and its worker threads told not to spin-wait, and
-is fed its inputs in its own preferred layout, prepared before any timing.
-A builder returns a :class:`PeerCall`: ``run`` is the call that is timed,
-``result`` makes one call and returns its output in manyheads' layout
-(B, H, L, D) so the benchmark can check it before timing anything.
+Every peer is optional and runs on manyheads' thread count.  Its output is
+compared with manyheads' on the same inputs first (``check``); a peer that
+differs by more than ``CHECK_ATOL`` is reported and not timed.
+
+ONNX Runtime and OpenVINO are built in memory for one head count and head
+size, their worker threads told not to spin-wait, and fed their inputs in their
+own preferred layout, prepared before any timing.  A builder returns a
+:class:`PeerCall`: ``run`` is the call that is timed, ``result`` makes one call
+and returns its output in manyheads' layout (B, H, L, D).
 
 * ONNX Runtime: one ``com.microsoft`` ``GroupQueryAttention`` node (the
   contrib op its LLM exports use).  Prefill: Q, K, V as (B, T, H·D), causal.
@@ -22,22 +26,31 @@ A builder returns a :class:`PeerCall`: ``run`` is the call that is timed,
   is stored as ``f32``.  That cache grows by one token per call, so the timed
   calls start a little below L keys and end a little above it.
 
-Nothing is written to disk.  Neither package is a dependency of manyheads;
-``pip install 'manyheads[bench]'`` installs both.
+Nothing is written to disk.  None of the peers is a dependency of manyheads;
+``pip install '.[bench]'`` in a source checkout installs all three.
 """
 from __future__ import annotations
 
 import importlib
+import sys
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
-#: benchmark name -> (importable module, label in tables)
+from benchmarks.results import Checks
+
+#: the peers built here: benchmark name -> (importable module, label in tables)
 PEERS: dict[str, tuple[str, str]] = {
     "onnxruntime": ("onnxruntime", "ONNX Runtime GQA"),
     "openvino": ("openvino", "OpenVINO SDPA"),
 }
+#: every peer the benchmark knows, in table order
+PEER_NAMES = ("torch", *PEERS)
+LABELS = {"torch": "torch SDPA", **{name: v[1] for name, v in PEERS.items()}}
+SHORT = {"torch": "torch", "onnxruntime": "ORT", "openvino": "OpenVINO"}
+#: largest |peer - manyheads| accepted before a peer is timed, by dtype
+CHECK_ATOL = {"float32": 1e-4, "float64": 1e-9}
 
 
 @dataclass
@@ -68,11 +81,74 @@ def version(name: str) -> str | None:
     return v
 
 
+def torch_module() -> Any:
+    """The torch module, or None when it is not installed (or blocked in this process)."""
+    try:
+        import torch
+    except ImportError:
+        return None
+    return torch
+
+
+def torch_loaded() -> bool:
+    """True when this process has imported torch (``sys.modules['torch'] = None`` is not)."""
+    return sys.modules.get("torch") is not None
+
+
+def versions(names: Sequence[str] = PEER_NAMES) -> dict[str, str | None]:
+    """Installed version of each named peer (None: not installed)."""
+    out: dict[str, str | None] = {}
+    for name in names:
+        if name == "torch":
+            torch = torch_module()
+            out[name] = None if torch is None else str(torch.__version__)
+        else:
+            out[name] = version(name)
+    return out
+
+
 def missing_note(name: str) -> str:
     """One line saying that a peer is skipped and how to include it."""
-    pkgs = "onnxruntime and onnx" if name == "onnxruntime" else PEERS[name][0]
-    return (f"note: {pkgs} not installed, so {PEERS[name][1]} is skipped "
-            "(pip install 'manyheads[bench]' to include it)")
+    if name == "torch":
+        pkgs, label = "torch", "PyTorch"
+    else:
+        pkgs = "onnxruntime and onnx" if name == "onnxruntime" else PEERS[name][0]
+        label = PEERS[name][1]
+    return (f"note: {pkgs} not installed, so {label} is skipped "
+            "(pip install '.[bench]' in the source checkout to include it)")
+
+
+# ----------------------------------------------------------------------------- the check
+
+
+def check(name: str, out: Any, ref: np.ndarray, dtype: str, checks: Checks) -> bool:
+    """Record ``name``'s largest difference from manyheads' output; True when it is small."""
+    diff = float(np.max(np.abs(np.asarray(out, dtype=np.float64) - ref)))
+    checks.max_abs_diff[name] = diff
+    if not diff <= CHECK_ATOL[dtype]:  # NaN fails too
+        checks.notes[name] = (f"differs from manyheads by {diff:.1e} "
+                              f"(more than {CHECK_ATOL[dtype]:.0e}); not timed")
+        sys.stderr.write(f"\nwarning: {LABELS[name]} {checks.notes[name]}\n")
+        return False
+    return True
+
+
+def add_peer(name: str, build: Callable[[], PeerCall], ref: np.ndarray, dtype: str,
+             fns: dict[str, Callable[[], Any]], checks: Checks) -> None:
+    """Build one ONNX Runtime / OpenVINO peer, check it, and add it to ``fns`` if it agrees."""
+    if dtype != "float32":
+        checks.notes[name] = "float32 only here"
+        return
+    try:
+        call = build()
+        out = call.result()
+    except Exception as exc:  # a peer that cannot run this shape is reported, not fatal
+        checks.notes[name] = f"failed: {type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
+        sys.stderr.write(f"\nwarning: {LABELS[name]} {checks.notes[name]}\n")
+        return
+    checks.paths[name] = call.path
+    if check(name, out, ref, dtype, checks):
+        fns[name] = call.run
 
 
 # ----------------------------------------------------------------------------- ONNX Runtime
