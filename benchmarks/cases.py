@@ -24,9 +24,11 @@ from benchmarks.results import (Bandwidth, CacheFormatRow, Checks, DecodeRow,
                                 PrefillRow, ThreadScaling)
 from benchmarks.timing import compare, median_time
 from manyheads import oracle
+from manyheads.cache import FORMATS
 
-#: cache formats of the low-precision decode table, in column order
-CACHE_FORMATS = ("float32", "float16", "bfloat16", "int8", "int4")
+#: cache formats of the low-precision decode table, in column order: every storage
+#: format a float32 module's cache can take
+CACHE_FORMATS = tuple(name for name in FORMATS if name != "float64")
 
 
 def numpy_blas() -> dict[str, str]:
@@ -249,15 +251,11 @@ def decode_cases(threads: int, repeats: int, with_torch: bool,
 
 def _cache_dtype(fmt: str) -> Any:
     """new_cache()'s dtype argument for format name ``fmt`` (None: ml_dtypes is missing)."""
-    if fmt in ("int8", "int4"):
-        return fmt
-    if fmt == "bfloat16":
-        try:
-            import ml_dtypes
-        except ImportError:
-            return None
-        return ml_dtypes.bfloat16
-    return np.dtype(fmt)
+    try:
+        FORMATS[fmt].dtype  # bfloat16 needs ml_dtypes
+    except ImportError:
+        return None
+    return fmt
 
 
 def cache_format_cases(threads: int, with_torch: bool, lengths: tuple[int, ...] = (1024, 16384)

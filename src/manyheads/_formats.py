@@ -53,6 +53,7 @@ class StorageFormat:
 
     @property
     def scale_dtype(self) -> np.dtype | None:
+        """The NumPy dtype of the scales (None without scales)."""
         return {"none": None, "row": np.dtype(np.float32),
                 "group pairs": np.dtype(np.float16)}[self.scales]
 

@@ -46,8 +46,11 @@ from . import _config, _core, _formats, _kernels
 from ._validate import (as_float_array, check_bool, check_int, check_optional_int,
                         check_optional_real)
 
-__all__ = ["KVCache", "CacheStep"]
+__all__ = ["KVCache", "CacheStep", "FORMATS", "StorageFormat", "quantize", "dequantize"]
 
+#: the storage formats, by name: manyheads._formats' table (csrc/mh_formats.h)
+FORMATS = _formats.FORMATS
+StorageFormat = _formats.StorageFormat
 I4_GROUP = _formats.FORMATS["int4"].group  # channels per (scale, minimum) pair of an int4 cache
 
 
