@@ -41,3 +41,35 @@ def test_the_demo_ends_by_saying_what_its_weights_show():
     assert weights.startswith("attention weights (12 heads, 498x498): largest weight on a "
                               "later token 0 (the causal mask); each row sums to 1 within ")
     assert "random (seed 42)" in caveat and "python -m manyheads show" in caveat
+
+
+def run_info(*args):
+    return subprocess.run([sys.executable, "-m", "manyheads", "info", *args],
+                          capture_output=True, text=True, timeout=600)
+
+
+def test_info_explain_prints_the_plan_of_a_decode_step_through_an_int8_cache():
+    res = run_info("--explain", "1x12x1x64", "1x12x16384x64", "--cache-dtype", "int8",
+                   "--threads", "2")
+    assert res.returncode == 0, res.stderr
+    out = res.stdout
+    assert "1 query row against 16384 keys" in out and "keys and values int8" in out
+    assert "12 (batch, head) pairs x 32 key ranges of 512 = 384 work items" in out
+    assert "384 items of 1 row: few rows path" in out
+
+
+def test_info_explain_shows_grouped_heads_and_prefill_blocks():
+    res = run_info("--explain", "2x32x1x128", "2x8x4096x128", "--gqa")
+    assert res.returncode == 0, res.stderr
+    assert "each work item serves the 4 query heads that share its kv head" in res.stdout
+    res = run_info("--explain", "1x12x2048x64", "1x12x2048x64", "--causal", "--threads", "2")
+    assert "query blocks: 12 (batch, head) pairs x 32 blocks = 384 work items" in res.stdout
+    assert "384 items of 64 rows: tile path" in res.stdout
+
+
+def test_info_explain_reports_bad_shapes_in_one_line():
+    res = run_info("--explain", "1x12", "1x2x3")
+    assert res.returncode == 2 and res.stdout == ""
+    assert "same last dimension" in res.stderr and "Traceback" not in res.stderr
+    res = run_info("--explain", "1xtwelve", "1x2")
+    assert res.returncode != 0 and "sizes joined by 'x'" in res.stderr

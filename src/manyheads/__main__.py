@@ -358,8 +358,50 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _shape(text: str, what: str) -> tuple[int, ...]:
+    try:
+        shape = tuple(int(n) for n in text.lower().split("x"))
+    except ValueError:
+        shape = ()
+    if len(shape) < 2 or min(shape) < 0:
+        raise SystemExit(f"--explain: {what} shape must be sizes joined by 'x', such as "
+                         f"1x12x1x64, got {text!r}")
+    return shape
+
+
+def explain_call(q_shape: tuple[int, ...], k_shape: tuple[int, ...], dtype: str = "float32",
+                 cache_dtype: str | None = None, causal: bool = False, gqa: bool = False,
+                 threads: int | None = None) -> Any:
+    """The plan of attention over zero arrays of these shapes (keys and values alike),
+    the keys and values stored in a cache format with ``cache_dtype``."""
+    from . import _config, _core, _formats
+    from .cache import quantize
+
+    q = np.zeros(q_shape, _formats.by_name(dtype).dtype)  # (zeros: no memory is touched)
+    k = np.zeros(k_shape, q.dtype)
+    plan = mh.explain(q, k, k, is_causal=causal, enable_gqa=gqa, num_threads=threads)
+    if cache_dtype is None or cache_dtype == dtype:
+        return plan
+    if dtype != "float32":
+        raise SystemExit("--cache-dtype serves float32 queries (--dtype float32)")
+    kq, ks = quantize(k, cache_dtype)
+    # a cache aligns the queries to the end of its keys: that does not change the plan
+    return _core.explain(q, kq, kq, k_scale=ks, v_scale=ks, enable_gqa=gqa,
+                         num_threads=_config.resolve_num_threads(threads))
+
+
 def cmd_info(args: argparse.Namespace) -> int:
-    mh.show_config()
+    if args.explain is None:
+        mh.show_config()
+        return 0
+    q_shape, k_shape = (_shape(t, w) for t, w in zip(args.explain, ("query", "key")))
+    try:
+        plan = explain_call(q_shape, k_shape, args.dtype, args.cache_dtype, args.causal,
+                            args.gqa, args.threads)
+    except (TypeError, ValueError) as exc:
+        print(f"python -m manyheads info --explain: {exc}", file=sys.stderr)
+        return 2
+    print(plan)
     return 0
 
 
@@ -402,7 +444,22 @@ def build_parser() -> argparse.ArgumentParser:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command")
     sub.add_parser("demo", help="run the demo (the default)")
-    sub.add_parser("info", help="show the kernel path, OpenMP and thread count")
+    inf = sub.add_parser("info", help="show the kernel path, OpenMP and thread count; with "
+                                      "--explain, what one attention call will do")
+    inf.add_argument("--explain", nargs=2, metavar=("QUERY", "KEY"),
+                     help="shapes of the queries and of the keys (and values), sizes joined "
+                          "by 'x', such as 1x12x1x64 1x12x16384x64: print the call's plan "
+                          "(schedule, paths, reads, threads, scratch) instead")
+    inf.add_argument("--dtype", default="float32",
+                     choices=("float32", "float64", "float16", "bfloat16"),
+                     help="with --explain: the dtype of the arrays (default: %(default)s)")
+    inf.add_argument("--cache-dtype", choices=("float16", "bfloat16", "int8", "int4"),
+                     help="with --explain: keys and values stored in this KV cache format")
+    inf.add_argument("--causal", action="store_true", help="with --explain: is_causal=True")
+    inf.add_argument("--gqa", action="store_true",
+                     help="with --explain: enable_gqa=True (fewer key heads than query heads)")
+    inf.add_argument("--threads", type=int,
+                     help="with --explain: num_threads (default: manyheads' own)")
     sub.add_parser("bench", add_help=False,
                    help="run the benchmark of a source checkout (benchmarks/run.py; "
                         "--source DIR names the checkout)")

@@ -216,8 +216,6 @@ class CallPlan:
                  f"{self.value_dim}; queries {self.query_format}, keys and values "
                  f"{self.kv_format}"]
         pairs = f"{self.pairs} (batch, {'kv ' if self.group > 1 else ''}head) pairs"
-        if self.group > 1:
-            pairs += f", {self.group} query heads served together per kv head"
         if self.key_ranges:
             lines.append(f"  split keys: {pairs} x {n(self.key_ranges, 'key range')} of "
                          f"{self.range_keys} = {n(self.work_items, 'work item')}, then "
@@ -225,6 +223,9 @@ class CallPlan:
         else:
             lines.append(f"  query blocks: {pairs} x {n(self.query_blocks, 'block')} = "
                          f"{n(self.work_items, 'work item')}")
+        if self.group > 1:
+            lines.append(f"  each work item serves the {self.group} query heads that share "
+                         f"its kv head (each key and value read once for them)")
         for it in self.items:
             lines.append(f"  {n(it.count, 'item')} of {n(it.rows, 'row')}: {it.path} path, "
                          f"keys {it.keys}, values {it.values}")
