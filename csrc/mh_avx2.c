@@ -204,10 +204,8 @@ static inline __m256 mh_exp2_f32_avx2(__m256 x)
 #define MH_HAS_BF16_LOAD 1
 #define MH_HAS_I8_LOAD 1
 #define MH_HAS_U4_LOAD 1
-#define MH_HAS_U4_SPLIT 0
 #define MH_HAS_HALF_STORE 1
 #define MH_HAS_HALF_SCALAR 1
-#define MH_HAS_BF16_DOT 0
 #include "mh_instance.h"
 
 /* ---------------------------------------------------------------- float64 */
@@ -283,14 +281,6 @@ static inline __m256d mh_exp2_f64_avx2(__m256d x)
 #define MH_HAS_TRANSPOSE 1
 #define MH_HAS_HSUM4 1
 #define MH_HAS_SELECT 1
-#define MH_HAS_F16_LOAD 0
-#define MH_HAS_BF16_LOAD 0
-#define MH_HAS_I8_LOAD 0
-#define MH_HAS_U4_LOAD 0
-#define MH_HAS_U4_SPLIT 0
-#define MH_HAS_HALF_STORE 0
-#define MH_HAS_HALF_SCALAR 0
-#define MH_HAS_BF16_DOT 0
 #include "mh_instance.h"
 
 MH_KERNEL_TABLE(avx2)

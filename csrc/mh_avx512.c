@@ -300,8 +300,6 @@ static inline void mh_interleave_bf16_avx512(uint32_t *dst, const uint16_t *r0,
 #define MH_HAS_HALF_SCALAR 1
 #ifdef MH_AVX512_DPBF16
 #define MH_HAS_BF16_DOT 1
-#else
-#define MH_HAS_BF16_DOT 0
 #endif
 #include "mh_instance.h"
 
@@ -373,14 +371,6 @@ static inline __m512d mh_exp2_f64_avx512(__m512d x)
 #define MH_HAS_TRANSPOSE 1
 #define MH_HAS_HSUM4 1
 #define MH_HAS_SELECT 1
-#define MH_HAS_F16_LOAD 0
-#define MH_HAS_BF16_LOAD 0
-#define MH_HAS_I8_LOAD 0
-#define MH_HAS_U4_LOAD 0
-#define MH_HAS_U4_SPLIT 0
-#define MH_HAS_HALF_STORE 0
-#define MH_HAS_HALF_SCALAR 0
-#define MH_HAS_BF16_DOT 0
 #include "mh_instance.h"
 
 #ifdef MH_AVX512_DPBF16

@@ -274,26 +274,14 @@ MH_UNARY(mh_v2d, double, 2, v2d_ninf0, t == -INFINITY ? 0.0 : t)
 #else
 #define V_HSUM(v) ((MH_LANE(v, 0) + MH_LANE(v, 1)) + (MH_LANE(v, 2) + MH_LANE(v, 3)))
 #endif
-/* what this instantiation can do (mh_instance.h): aarch64 also widens float16
-   and 4-bit values in vector code and sums four vectors' lanes at once */
-#define MH_HAS_EXP2 0
-#define MH_HAS_TRANSPOSE 0
-#define MH_HAS_SELECT 0
+/* what this instantiation can do (mh_instance.h): on aarch64, widen float16
+   and 4-bit values in vector code and sum four vectors' lanes at once;
+   elsewhere none of the optional pieces */
 #ifdef MH_BASELINE_NEON
 #define MH_HAS_HSUM4 1
 #define MH_HAS_F16_LOAD 1
 #define MH_HAS_U4_LOAD 1
-#else
-#define MH_HAS_HSUM4 0
-#define MH_HAS_F16_LOAD 0
-#define MH_HAS_U4_LOAD 0
 #endif
-#define MH_HAS_BF16_LOAD 0
-#define MH_HAS_I8_LOAD 0
-#define MH_HAS_U4_SPLIT 0
-#define MH_HAS_HALF_STORE 0
-#define MH_HAS_HALF_SCALAR 0
-#define MH_HAS_BF16_DOT 0
 #include "mh_instance.h"
 
 /* ---------------------------------------------------------------- float64 */
@@ -333,23 +321,11 @@ MH_UNARY(mh_v2d, double, 2, v2d_ninf0, t == -INFINITY ? 0.0 : t)
 #else
 #define V_HSUM(v) (MH_LANE(v, 0) + MH_LANE(v, 1))
 #endif
-/* what this instantiation can do (mh_instance.h) */
-#define MH_HAS_EXP2 0
-#define MH_HAS_TRANSPOSE 0
-#define MH_HAS_SELECT 0
+/* what this instantiation can do (mh_instance.h): on aarch64, sum four
+   vectors' lanes at once */
 #ifdef MH_BASELINE_NEON
 #define MH_HAS_HSUM4 1
-#else
-#define MH_HAS_HSUM4 0
 #endif
-#define MH_HAS_F16_LOAD 0
-#define MH_HAS_BF16_LOAD 0
-#define MH_HAS_I8_LOAD 0
-#define MH_HAS_U4_LOAD 0
-#define MH_HAS_U4_SPLIT 0
-#define MH_HAS_HALF_STORE 0
-#define MH_HAS_HALF_SCALAR 0
-#define MH_HAS_BF16_DOT 0
 #include "mh_instance.h"
 
 MH_KERNEL_TABLE(baseline)

@@ -199,33 +199,23 @@ void FN(mh_exp_array)(const T *x, T *y, int64_t n)
     }
 }
 
-/* dst[0..n) = float16 src[0..n) widened (vector conversion where the path has one). */
-static inline void FN(half_row)(T *dst, const uint16_t *src, int64_t n)
+/* dst[0..n) = 16-bit src[0..n) of format fmt (MH_STORE_F16 or MH_STORE_BF16)
+   widened: a vector conversion where the path has one (bfloat16: a 16-bit
+   shift), else one value at a time. */
+static inline void FN(half_or_bf16_row)(int fmt, T *dst, const uint16_t *src, int64_t n)
 {
     int64_t c = 0;
+    if (fmt == MH_STORE_F16) {
 #if MH_HAS_F16_LOAD
-    for (; c + VW <= n; c += VW) V_STORE(dst + c, V_LOAD_HALF(src + c));
+        for (; c + VW <= n; c += VW) V_STORE(dst + c, V_LOAD_HALF(src + c));
 #endif
-    for (; c < n; ++c) dst[c] = (T)mh_half_to_float(src[c]);
-}
-
-/* dst[0..n) = bfloat16 src[0..n) widened (a 16-bit shift). */
-static inline void FN(bf16_row)(T *dst, const uint16_t *src, int64_t n)
-{
-    int64_t c = 0;
+        for (; c < n; ++c) dst[c] = (T)mh_half_to_float(src[c]);
+        return;
+    }
 #if MH_HAS_BF16_LOAD
     for (; c + VW <= n; c += VW) V_STORE(dst + c, V_LOAD_BF16(src + c));
 #endif
     for (; c < n; ++c) dst[c] = (T)mh_bf16_to_float(src[c]);
-}
-
-/* dst[0..n) = 16-bit src[0..n) of format fmt (MH_STORE_F16 or MH_STORE_BF16) widened. */
-static inline void FN(half_or_bf16_row)(int fmt, T *dst, const uint16_t *src, int64_t n)
-{
-    if (fmt == MH_STORE_F16)
-        FN(half_row)(dst, src, n);
-    else
-        FN(bf16_row)(dst, src, n);
 }
 
 /* dst[0..n) = int8 src[0..n) * scale. */
@@ -329,14 +319,11 @@ static void FN(load_rows)(const mh_attn_args *a, const mh_operand *src,
 {
     const int64_t start = src->off[pair] + row0 * src->row;
     switch (a->kv_format) {
-    case MH_STORE_F16: {
-        const uint16_t *p = (const uint16_t *)src->base + start;
-        for (int64_t j = 0; j < rows; ++j) FN(half_row)(dst + j * dst_row, p + j * src->row, n);
-        break;
-    }
+    case MH_STORE_F16:
     case MH_STORE_BF16: {
         const uint16_t *p = (const uint16_t *)src->base + start;
-        for (int64_t j = 0; j < rows; ++j) FN(bf16_row)(dst + j * dst_row, p + j * src->row, n);
+        for (int64_t j = 0; j < rows; ++j)
+            FN(half_or_bf16_row)(a->kv_format, dst + j * dst_row, p + j * src->row, n);
         break;
     }
     case MH_STORE_I8: {

@@ -17,7 +17,8 @@
  *   V_NEG_INF_TO_ZERO(v)  lanes equal to -inf become 0
  *   V_HSUM(v)    sum of the lanes
  *
- * Capabilities: each is defined to 1 (with the vocabulary it names) or 0.
+ * Capabilities: an ISA file defines to 1 each it has (with the vocabulary it
+ * names); the others are 0.
  *   MH_HAS_EXP2        V_EXP2(v): 2^x per lane for x <= 0 or NaN; 2^-inf = 0
  *   MH_HAS_TRANSPOSE   V_TRANSPOSE(r): transpose the VW x VW block in V r[VW]
  *   MH_HAS_HSUM4       V_HSUM4(a, b, c, d, out): out[0..4) = the lane sums
@@ -51,11 +52,41 @@
  *   mh_linear_impl.h  the few-rows dense projection
  * Scores are kept in log2 units throughout: see mh_common.h.
  */
-#if !defined(MH_HAS_EXP2) || !defined(MH_HAS_TRANSPOSE) || !defined(MH_HAS_HSUM4) ||         \
-    !defined(MH_HAS_SELECT) || !defined(MH_HAS_F16_LOAD) || !defined(MH_HAS_BF16_LOAD) ||    \
-    !defined(MH_HAS_I8_LOAD) || !defined(MH_HAS_U4_LOAD) || !defined(MH_HAS_U4_SPLIT) ||     \
-    !defined(MH_HAS_HALF_STORE) || !defined(MH_HAS_HALF_SCALAR) || !defined(MH_HAS_BF16_DOT)
-#error "an ISA instantiation must declare every MH_HAS_* capability (0 or 1)"
+#ifndef MH_HAS_EXP2
+#define MH_HAS_EXP2 0
+#endif
+#ifndef MH_HAS_TRANSPOSE
+#define MH_HAS_TRANSPOSE 0
+#endif
+#ifndef MH_HAS_HSUM4
+#define MH_HAS_HSUM4 0
+#endif
+#ifndef MH_HAS_SELECT
+#define MH_HAS_SELECT 0
+#endif
+#ifndef MH_HAS_F16_LOAD
+#define MH_HAS_F16_LOAD 0
+#endif
+#ifndef MH_HAS_BF16_LOAD
+#define MH_HAS_BF16_LOAD 0
+#endif
+#ifndef MH_HAS_I8_LOAD
+#define MH_HAS_I8_LOAD 0
+#endif
+#ifndef MH_HAS_U4_LOAD
+#define MH_HAS_U4_LOAD 0
+#endif
+#ifndef MH_HAS_U4_SPLIT
+#define MH_HAS_U4_SPLIT 0
+#endif
+#ifndef MH_HAS_HALF_STORE
+#define MH_HAS_HALF_STORE 0
+#endif
+#ifndef MH_HAS_HALF_SCALAR
+#define MH_HAS_HALF_SCALAR 0
+#endif
+#ifndef MH_HAS_BF16_DOT
+#define MH_HAS_BF16_DOT 0
 #endif
 
 #include "mh_common.h"

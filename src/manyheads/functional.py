@@ -76,18 +76,9 @@ def _check_shapes(q: np.ndarray, k: np.ndarray, v: np.ndarray) -> None:
 
 
 def scaled_dot_product_attention(
-    query: Any,
-    key: Any,
-    value: Any,
-    attn_mask: Any = None,
-    dropout_p: float = 0.0,
-    is_causal: bool = False,
-    scale: float | None = None,
-    enable_gqa: bool = False,
-    *,
-    return_weights: bool = False,
-    seed: Any = None,
-    num_threads: int | None = None,
+    query: Any, key: Any, value: Any, attn_mask: Any = None, dropout_p: float = 0.0,
+    is_causal: bool = False, scale: float | None = None, enable_gqa: bool = False, *,
+    return_weights: bool = False, seed: Any = None, num_threads: int | None = None,
 ) -> Any:
     """Scaled dot-product attention with PyTorch's semantics, on NumPy arrays.
 
@@ -185,17 +176,9 @@ def _checked(query: Any, key: Any, value: Any, attn_mask: Any, dropout_p: Any, i
 
 
 def explain(
-    query: Any,
-    key: Any,
-    value: Any,
-    attn_mask: Any = None,
-    dropout_p: float = 0.0,
-    is_causal: bool = False,
-    scale: float | None = None,
-    enable_gqa: bool = False,
-    *,
-    return_weights: bool = False,
-    num_threads: int | None = None,
+    query: Any, key: Any, value: Any, attn_mask: Any = None, dropout_p: float = 0.0,
+    is_causal: bool = False, scale: float | None = None, enable_gqa: bool = False, *,
+    return_weights: bool = False, num_threads: int | None = None,
 ) -> CallPlan:
     """What :func:`scaled_dot_product_attention` would do with these arguments.
 
