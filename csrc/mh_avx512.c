@@ -18,10 +18,8 @@
 
 #ifdef MH_AVX512_DPBF16
 #define MH_SFX(x) x##_avx512bf16
-#define MH_PATH_NAME "avx512bf16"
 #else
 #define MH_SFX(x) x##_avx512
-#define MH_PATH_NAME "avx512"
 #endif
 
 /* out[0..4) = the lane sums of a, b, c, d: adjacent lanes of pairs first,

@@ -81,7 +81,7 @@ static inline void v2d_hsum4(mh_v2d a, mh_v2d b, mh_v2d c, mh_v2d d, double *out
     vst1q_f64(out + 2, vpaddq_f64((float64x2_t)c, (float64x2_t)d));
 }
 /* Cache formats widened to 4 floats, for the float32 instantiation (see
-   mh_kv_format and the V_LOAD_* macros below). */
+   mh_formats.h and the V_LOAD_* macros below). */
 /* 4 IEEE halves (uint16 bits), exactly (fcvtl: subnormals, inf and NaN too) */
 static inline mh_v4f v4f_load_half(const uint16_t *p)
 {

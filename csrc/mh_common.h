@@ -311,7 +311,7 @@ static FN(work) FN(carve)(const mh_attn_args *a, const mh_item_plan *ip, void *s
 }
 
 /* dst[j][0..n) = K or V rows [row0, row0 + rows) of this pair, widened from the
-   storage format (see mh_kv_format; `scale` is the matching k_scale / v_scale);
+   storage format (see mh_formats.h; `scale` is the matching k_scale / v_scale);
    columns [n, dst_row) are left alone. */
 static void FN(load_rows)(const mh_attn_args *a, const mh_operand *src,
                           const mh_operand *scale, int64_t pair, int64_t row0, int64_t rows,

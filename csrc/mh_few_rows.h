@@ -48,8 +48,8 @@ typedef struct {
     const char *scale; int64_t scale_bytes; /* int8 / int4: row j's scale(s) */
 } FN(kv_rows);
 
-static FN(kv_rows) FN(kv_in_place)(const mh_attn_args *a, const mh_operand *src,
-                                   const mh_operand *scale, int64_t pair, int64_t k0)
+MH_INLINE FN(kv_rows) FN(kv_in_place)(const mh_attn_args *a, const mh_operand *src,
+                                  const mh_operand *scale, int64_t pair, int64_t k0)
 {
     const int64_t eb = mh_stored_bytes(a->kv_format);
     FN(kv_rows) r;

@@ -89,6 +89,10 @@
 #define MH_HAS_BF16_DOT 0
 #endif
 
+#if MH_HAS_BF16_DOT && !MH_HAS_TRANSPOSE
+#error "the pair-product path loads its queries through V_TRANSPOSE"
+#endif
+
 #include "mh_common.h"
 #if MH_HAS_BF16_DOT
 #include "mh_pair_bf16.h"

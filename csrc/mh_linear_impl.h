@@ -1,7 +1,7 @@
 /*
  * Few-rows dense projection (decode): out[r][c] = bias[c] + sum_k x[r][k] w[k][c]
  * for up to MH_FEW_ROWS rows, one block of MH_LINEAR_COLS columns per work item.
- * Instantiated per (ISA, scalar type) like mh_attention_impl.h, with the same
+ * Instantiated per (ISA, scalar type) by mh_instance.h, with the same
  * macros.  Memory-bound: each row of w's block is read once, as whole vectors,
  * for every input row at once.  Each output element adds k = 0, 1, ... in
  * order with the path's multiply-add, so the column blocking never changes a

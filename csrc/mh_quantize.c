@@ -1,5 +1,5 @@
 /*
- * The int8 and int4 storage formats of the KV cache (mh_kv_format), written
+ * The int8 and int4 storage formats of the KV cache (mh_formats.h), written
  * once per appended row: plain float32 arithmetic in the order the Python
  * reference (tests/test_cache_formats.py) uses, so the stored bits are the
  * same on every path.  Compiled without ISA flags.

@@ -101,3 +101,58 @@ def test_no_kernel_entry_takes_more_than_twelve_parameters():
     for name, params in signatures:
         count = len([p for p in params.split(",") if p.strip()])
         assert count <= 12, f"{name} takes {count} parameters"
+
+
+CSRC = SRC.parent.parent / "csrc"
+
+
+def c_functions(text):
+    """(name, first line, lines) of every function definition in C source text: a line
+    at column 0 that opens a definition, up to the closing brace at column 0."""
+    lines = text.split("\n")
+    i = 0
+    while i < len(lines):
+        head = lines[i]
+        if re.match(r"^[A-Za-z_].*\(", head) and not head.startswith(("#", "typedef")) \
+                and not head.rstrip().endswith((";", "\\")):
+            j = i
+            while j < len(lines) and not lines[j].rstrip().endswith("{") \
+                    and not lines[j].rstrip().endswith(";"):
+                j += 1
+            if j < len(lines) and lines[j].rstrip().endswith("{"):
+                k = j + 1
+                while k < len(lines) and not lines[k].startswith("}"):
+                    k += 1
+                name = re.search(r"(\w+(?:\(\w+\))?)\s*\(", head)
+                yield (name.group(1) if name else head), i + 1, k - i + 1
+                i = k
+        i += 1
+
+
+def test_no_kernel_file_reaches_700_lines_and_no_c_function_100():
+    files = sorted(CSRC.glob("*.[ch]"))
+    assert len(files) > 10
+    for path in files:
+        text = path.read_text()
+        assert text.count("\n") < 700, path.name
+        for name, line, length in c_functions(text):
+            assert length <= 100, f"{path.name}:{line} {name} has {length} lines"
+
+
+def test_the_function_finder_measures_a_function():
+    body = "static int f(int x)\n{\n" + "    x += 1;\n" * 120 + "    return x;\n}\n"
+    assert [(n, length) for n, _, length in c_functions(body)] == [("f", 124)]
+
+
+def test_the_build_and_the_dispatcher_read_one_isa_list():
+    import importlib.util
+
+    from manyheads import _kernels
+
+    spec = importlib.util.spec_from_file_location("manyheads_setup", SRC.parent.parent / "setup.py")
+    setup = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(setup)  # (setup() itself only runs as a script)
+    files = list(setup.isa_flags(str(CSRC)))
+    # the build's kernel files, best first, are the dispatcher's paths, best first
+    assert [f.removeprefix("mh_").removesuffix(".c") for f in files] == list(_kernels.isa_names())
+    assert {f for f, _ in setup.c_sources(csrc=str(CSRC))} == {p.name for p in CSRC.glob("*.c")}

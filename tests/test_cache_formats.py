@@ -320,3 +320,23 @@ def test_decode_over_a_large_cache_reads_ahead_correctly(rng, fmt):
                           causal_offset=S - 1)
     ref = oracle.scaled_dot_product_attention(q.astype(np.float64), kd, vd, scale=0.125)
     np.testing.assert_allclose(got, ref, rtol=0, atol=2e-6)
+
+
+@pytest.mark.parametrize("name", ["float32", "float16", "bfloat16", "int8", "int4"])
+def test_a_cache_allocates_what_the_storage_table_says(name):
+    from manyheads.cache import FORMATS
+
+    fmt = FORMATS[name]
+    m = mh.MultiHeadAttention(64, 64, 32, 0.0, 2, seed=0)  # heads of 32
+    cache = m.new_cache(3, 10, dtype=name)
+    assert cache.keys.dtype == fmt.dtype and cache.keys.shape == (3, 2, 10, fmt.stored_columns(32))
+    assert cache.nbytes == 2 * 3 * 2 * 10 * fmt.row_bytes(32)
+    if fmt.quantized:
+        assert cache.key_scales.dtype == fmt.scale_dtype
+        assert cache.key_scales.shape[-1] == fmt.scale_columns(32)
+    else:
+        assert cache.key_scales is None
+    # a row of 32 channels: the elements, and for int8 one float32 scale, for int4 one
+    # (scale, min) pair of float16 per 32 channels
+    assert fmt.row_bytes(32) == {"float32": 128, "float16": 64, "bfloat16": 64, "int8": 36,
+                                 "int4": 20}[name]

@@ -20,6 +20,7 @@ import numpy as np
 
 import manyheads as mh
 from manyheads import oracle
+from manyheads.cache import FORMATS
 
 DEMO_TEXT = (
     "Attention lets every token of a sequence look back at the tokens before it and "
@@ -405,6 +406,9 @@ def cmd_info(args: argparse.Namespace) -> int:
     return 0
 
 
+# the storage formats a float32 model's KV cache may take besides its own
+CACHE_ONLY_FORMATS = tuple(name for name in FORMATS if name not in ("float32", "float64"))
+
 BENCH_SCRIPT = os.path.join("benchmarks", "run.py")
 
 BENCH_ELSEWHERE = """\
@@ -453,7 +457,7 @@ def build_parser() -> argparse.ArgumentParser:
     inf.add_argument("--dtype", default="float32",
                      choices=("float32", "float64", "float16", "bfloat16"),
                      help="with --explain: the dtype of the arrays (default: %(default)s)")
-    inf.add_argument("--cache-dtype", choices=("float16", "bfloat16", "int8", "int4"),
+    inf.add_argument("--cache-dtype", choices=CACHE_ONLY_FORMATS,
                      help="with --explain: keys and values stored in this KV cache format")
     inf.add_argument("--causal", action="store_true", help="with --explain: is_causal=True")
     inf.add_argument("--gqa", action="store_true",
@@ -486,8 +490,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the text (token ids such as \"1 2 3\" without tokenizer.json)")
     g.add_argument("--max-new-tokens", type=int, default=32,
                    help="tokens to generate after the prompt (default: %(default)s)")
-    g.add_argument("--cache-dtype", help="KV cache storage: float16, bfloat16, int8 or int4 "
-                                         "(default: float32, the model's own)")
+    g.add_argument("--cache-dtype", choices=CACHE_ONLY_FORMATS,
+                   help="KV cache storage (default: float32, the model's own)")
     g.add_argument("--ignore-eos", action="store_true",
                    help="keep generating past the end-of-sequence token")
     return parser

@@ -1,7 +1,8 @@
 """Process-wide settings: the kernel path (ISA) and the thread count.
 
 The kernel path is chosen once, at import, from the CPU's features; the
-environment variable ``MANYHEADS_ISA=baseline|avx2|avx512|avx512bf16`` forces one.
+environment variable ``MANYHEADS_ISA=<name>`` forces one (the names: :func:`isa_names`,
+from ``csrc/mh_isa_list.h``).
 """
 from __future__ import annotations
 
@@ -61,8 +62,8 @@ def _init() -> None:
 
 
 def kernel_isa() -> str:
-    """Name of the kernel path in use: ``"baseline"``, ``"avx2"``, ``"avx512"`` or
-    ``"avx512bf16"`` (AVX-512 plus AVX512-BF16's pair products for bfloat16 inputs)."""
+    """Name of the kernel path in use, one of :func:`isa_names` (``"avx512bf16"`` is
+    AVX-512 plus AVX512-BF16's pair products for bfloat16 inputs)."""
     return str(_state["isa"])
 
 

@@ -104,9 +104,17 @@ def _grouped_views(q: np.ndarray, kvs: tuple[np.ndarray, ...], group: int
     return outer + (hkv, group), qv, views, len(outer) + 1
 
 
+_FORMAT_OF: dict[tuple[np.dtype, bool], _formats.StorageFormat] = {}
+
+
 def _format(arr: np.ndarray, quantized: bool = False) -> _formats.StorageFormat:
-    fmt = _formats.of_dtype(dtype_name(arr.dtype), quantized)
-    assert fmt is not None, arr.dtype  # the public entry points have checked the dtype
+    """The storage format of ``arr`` (remembered by dtype: a call looks it up twice)."""
+    key = (arr.dtype, quantized)
+    fmt = _FORMAT_OF.get(key)
+    if fmt is None:
+        found = _formats.of_dtype(dtype_name(arr.dtype), quantized)
+        assert found is not None, arr.dtype  # the public entry points have checked it
+        fmt = _FORMAT_OF[key] = found
     return fmt
 
 
@@ -120,43 +128,7 @@ def _heads_batch(q: np.ndarray, kvs: tuple[np.ndarray, ...], enable_gqa: bool
     return broadcast_shapes("query, key and value", q.shape[:-2], *(a.shape[:-2] for a in kvs))
 
 
-class _Call:
-    """A planned kernel call and what the caller needs to lay out its operands."""
-
-    __slots__ = ("call", "q", "kvs", "kv_fmt", "heads_batch", "L", "S", "E", "Ev", "compute")
-
-    def __init__(self, q: np.ndarray, k: np.ndarray, v: np.ndarray,
-                 scales: tuple[np.ndarray, np.ndarray] | None, mask: np.ndarray | None,
-                 out_fmt: _formats.StorageFormat | None, enable_gqa: bool,
-                 return_weights: bool, dropout_p: float, split: bool | None,
-                 num_threads: int) -> None:
-        q_fmt = _format(q)
-        self.compute = np.dtype(np.float32) if q_fmt.bits == 16 else q.dtype
-        # keys and values: the queries' type, or (float32 queries) a cache format
-        kv_fmt = q_fmt if k.dtype == q.dtype else _format(k, scales is not None)
-        self.kv_fmt = kv_fmt
-        self.L, self.E = q.shape[-2:]
-        self.S = v.shape[-2]
-        self.Ev = v.shape[-1] * 8 * v.itemsize // kv_fmt.bits  # int4: two values a byte
-        self.q = kernel_ready(q)
-        if kv_fmt.bits == 16:
-            k, v = k.view(np.uint16), v.view(np.uint16)
-        kvs: tuple[np.ndarray, ...] = (kernel_ready(k), kernel_ready(v))
-        if scales is not None:  # int4: float16 pairs, read as bits
-            kvs += tuple(kernel_ready(a.view(np.uint16) if a.dtype == np.float16 else a)
-                         for a in scales)
-        self.kvs = kvs
-        self.heads_batch = _heads_batch(q, kvs, enable_gqa)
-        mask_code = 0 if mask is None else (
-            2 if mask.ndim >= 3 and mask.shape[-3] != 1 else 1)
-        self.call = _kernels.AttentionCall(
-            self.compute == np.float64,
-            (math.prod(self.heads_batch), self.L, self.S, self.E, self.Ev),
-            (q_fmt.code, kv_fmt.code, (out_fmt or q_fmt).code),
-            (kvs[0].strides[-2], kvs[1].strides[-2]),
-            gqa=q.shape[-3] // k.shape[-3] if enable_gqa else 1, mask=mask_code,
-            weights=return_weights, dropout=dropout_p > 0,
-            split=-1 if split is None else int(bool(split)), threads=num_threads)
+_FLOAT32 = np.dtype(np.float32)
 
 
 @dataclass(frozen=True)
@@ -245,15 +217,21 @@ def explain(q: np.ndarray, k: np.ndarray, v: np.ndarray, *, num_threads: int,
             return_weights: bool = False, dropout_p: float = 0.0, split: bool | None = None,
             k_scale: np.ndarray | None = None, v_scale: np.ndarray | None = None) -> CallPlan:
     """The plan :func:`attention` would run for these checked arguments."""
-    scales = None if k_scale is None or v_scale is None else (k_scale, v_scale)
-    planned = _Call(q, k, v, scales, mask, None, enable_gqa, return_weights, dropout_p, split,
-                    num_threads)
-    p: dict[str, Any] = planned.call.explain()
+    plan: CallPlan = attention(q, k, v, scale=1.0, num_threads=num_threads, mask=mask,
+                               enable_gqa=enable_gqa, return_weights=return_weights,
+                               dropout_p=dropout_p, split=split, k_scale=k_scale,
+                               v_scale=v_scale, explain_only=True)
+    return plan
+
+
+def _call_plan(call: Any, q_fmt: _formats.StorageFormat, kv_fmt: _formats.StorageFormat,
+               heads_batch: tuple[int, ...], shape: tuple[int, int, int, int]) -> CallPlan:
+    p: dict[str, Any] = call.explain()
     return CallPlan(
         isa=p["isa"], dtype="float64" if p["float64"] else "float32",
-        query_format=_format(q).name, kv_format=planned.kv_fmt.name,
-        batch=tuple(planned.heads_batch), query_rows=planned.L, keys=planned.S,
-        head_dim=planned.E, value_dim=planned.Ev, pairs=p["pairs"], group=p["group"],
+        query_format=q_fmt.name, kv_format=kv_fmt.name, batch=tuple(heads_batch),
+        query_rows=shape[0], keys=shape[1], head_dim=shape[2], value_dim=shape[3],
+        pairs=p["pairs"], group=p["group"],
         query_blocks=p["query_blocks"], key_ranges=p["key_ranges"], range_keys=p["range_keys"],
         work_items=p["work_items"], items=tuple(ItemPlan(**it) for it in p["items"]),
         threads=p["threads"], merge_threads=p["merge_threads"], prefetch=p["prefetch"],
@@ -279,6 +257,7 @@ def attention(
     split: bool | None = None,
     k_scale: np.ndarray | None = None,
     v_scale: np.ndarray | None = None,
+    explain_only: bool = False,
 ) -> Any:
     """softmax(q kᵀ scale + mask) v over checked (..., L|S, E) arrays.
 
@@ -293,22 +272,41 @@ def attention(
     is and round the output to q's type as they write it; weights come back
     float32.  ``split`` forces (True) or forbids (False) the split-key
     schedule; by default the plan chooses.  Returns the output, or ``(output,
-    weights)`` with ``return_weights``.
+    weights)`` with ``return_weights``; with ``explain_only``, the plan (nothing runs).
     """
-    scales = None if k_scale is None or v_scale is None else (k_scale, v_scale)
-    out_fmt = None if out is None else _format(out)
-    planned = _Call(q, k, v, scales, mask, out_fmt, enable_gqa, return_weights, dropout_p, split,
-                    num_threads)
-    call, kvs, heads_batch = planned.call, planned.kvs, planned.heads_batch
-    L, S, Ev, compute = planned.L, planned.S, planned.Ev, planned.compute
-    q = planned.q
+    # describe the call to the planner (_kernels.AttentionCall, which plans it once),
+    # then lay the operands out as the plan says
+    q_fmt = _format(q)
+    compute = _FLOAT32 if q_fmt.bits == 16 else q.dtype
+    # keys and values: the queries' type, or (float32 queries) a cache format
+    kv_fmt = q_fmt if k.dtype == q.dtype else _format(k, k_scale is not None)
+    L, E = q.shape[-2:]
+    S = v.shape[-2]
+    Ev = v.shape[-1] * 8 * v.itemsize // kv_fmt.bits  # int4: two values a byte
+    q = kernel_ready(q)
+    if kv_fmt.bits == 16:
+        k, v = k.view(np.uint16), v.view(np.uint16)
+    kvs: tuple[np.ndarray, ...] = (kernel_ready(k), kernel_ready(v))
+    if k_scale is not None and v_scale is not None:  # int4: float16 pairs, read as bits
+        kvs += tuple(kernel_ready(a.view(np.uint16) if a.dtype == np.float16 else a)
+                     for a in (k_scale, v_scale))
+    common = not enable_gqa and len(kvs) == 2 and \
+        q.shape[:-2] == kvs[0].shape[:-2] == kvs[1].shape[:-2]
+    heads_batch = q.shape[:-2] if common else _heads_batch(q, kvs, enable_gqa)
+    call = _kernels.AttentionCall(
+        q_fmt.bits == 64, (math.prod(heads_batch), L, S, E, Ev),
+        (q_fmt.code, kv_fmt.code, (q_fmt if out is None else _format(out)).code), kvs[:2],
+        q.shape[-3] // k.shape[-3] if enable_gqa else 1,
+        0 if mask is None else (2 if mask.ndim >= 3 and mask.shape[-3] != 1 else 1),
+        return_weights, dropout_p > 0, -1 if split is None else int(bool(split)), num_threads)
+    if explain_only:
+        return _call_plan(call, q_fmt, kv_fmt, heads_batch, (L, S, E, Ev))
     group = call.group
     if group > 1:  # each kv head read once for the query heads that share it
         batch, qv, kv_views, n_kv_batch = _grouped_views(q, kvs, group)
         nb = n_kv_batch + 1  # q and out: (.., kv heads, group, L, x)
         mask_batch = batch[:-1]
-    elif not enable_gqa and len(kvs) == 2 and \
-            kvs[0].shape[:-2] == q.shape[:-2] == kvs[1].shape[:-2]:
+    elif common:
         # the common case, kept off the function call: nothing to broadcast
         batch, qv, kv_views, n_kv_batch = q.shape[:-2], q, list(kvs), q.ndim - 2
     else:

@@ -75,11 +75,12 @@ class AttentionCall:
     """
 
     def __init__(self, float64: bool, shape: tuple[int, int, int, int, int],
-                 formats: tuple[int, int, int], row_bytes: tuple[int, int], gqa: int = ...,
+                 formats: tuple[int, int, int], kv: tuple[npt.NDArray[Any], ...], gqa: int = ...,
                  mask: int = ..., weights: bool = ..., dropout: bool = ..., split: int = ...,
                  threads: int = ...) -> None:
         """shape: (query pairs, L, S, E, Ev); formats: storage codes of (q, k and v, out);
-        row_bytes: row strides of (k, v); mask: 0 none, 1 shared by the heads, 2 per head;
+        kv: the keys and values (for their row strides); mask: 0 none, 1 shared by the
+        heads, 2 per head;
         split: -1 automatic, 0 never, 1 when allowed; threads: requested."""
     @property
     def group(self) -> int:

@@ -283,7 +283,14 @@ cdef inline int _share(int requested):
 
 
 cdef inline bint _contended():
-    return mh_seconds() < _contended_until
+    """Threads were found without a core less than CONTENDED_SECONDS ago."""
+    global _contended_until
+    if _contended_until == 0:  # (the usual case: no clock read)
+        return False
+    if mh_seconds() < _contended_until:
+        return True
+    _contended_until = 0
+    return False
 
 
 cdef inline int _clamp_threads(int nt, int64_t n_items, double work):
@@ -413,20 +420,23 @@ cdef class AttentionCall:
     cdef int64_t *_offsets  # 7 tables: q, k, v, out, mask, k_scale, v_scale
     cdef int64_t _table_len
 
-    def __cinit__(self, bint float64, tuple shape, tuple formats, tuple row_bytes,
+    def __cinit__(self, bint float64, tuple shape, tuple formats, tuple kv,
                   int64_t gqa=1, int mask=0, bint weights=False, bint dropout=False,
                   int split=-1, int threads=1):
         """shape: (query pairs, L, S, E, Ev); formats: storage codes of (q, k and v,
-        out); row_bytes: row strides of (k, v); gqa: query heads per kv head (1 without
-        grouped-query attention); mask: 0 none, 1 the same for every query head, 2 per
-        query head; split: -1 automatic, 0 never, 1 when allowed; threads: requested."""
+        out); kv: the (keys, values) arrays, for their row strides; gqa: query heads per
+        kv head (1 without grouped-query attention); mask: 0 none, 1 the same for every
+        query head, 2 per query head; split: -1 automatic, 0 never, 1 when allowed;
+        threads: requested."""
         cdef mh_call_desc *d = &self.desc
+        cdef cnp.ndarray k = kv[0], v = kv[1]
         self.table = _table
         self.is_f64 = float64
         self._keep = []
         d.n_pairs, d.q_len, d.kv_len, d.head_dim, d.v_dim = shape
         d.q_format, d.kv_format, self.a.out_format = formats
-        d.k_row_bytes, d.v_row_bytes = row_bytes
+        d.k_row_bytes = cnp.PyArray_STRIDES(k)[cnp.PyArray_NDIM(k) - 2]
+        d.v_row_bytes = cnp.PyArray_STRIDES(v)[cnp.PyArray_NDIM(v) - 2]
         d.gqa = gqa
         d.elem_size = 8 if float64 else 4
         d.mask = mask > 0

@@ -32,7 +32,7 @@ Keys and values are quantised once, when they are appended.
 
 Make one with ``module.new_cache(batch_size, max_len, dtype=None)``; pass it as
 ``module(x_new, cache=cache)``.  A cache is not safe to share between threads
-that call a module at the same time (see the README's guarantees).
+that call a module at the same time (see docs/guarantees.md).
 """
 from __future__ import annotations
 
