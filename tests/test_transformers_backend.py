@@ -2,6 +2,7 @@
 architectures, built here (nothing downloaded), against the same weights run with
 attn_implementation="eager" (and "sdpa")."""
 import copy
+import inspect
 import subprocess
 import sys
 
@@ -30,10 +31,15 @@ CONFIGS = {
                                                 attn_logit_softcapping=2.0,
                                                 query_pre_attn_scalar=16,
                                                 tie_word_embeddings=False),
-    "gpt_oss": lambda: transformers.GptOssConfig(**COMMON, head_dim=16, sliding_window=8,
+    # (YaRN's factor 32 over its 4096 original positions: the length that makes them agree)
+    "gpt_oss": lambda: transformers.GptOssConfig(**{**COMMON, "max_position_embeddings": 131072},
+                                                 head_dim=16, sliding_window=8,
                                                  num_local_experts=4, num_experts_per_tok=2),
 }
 ARCHS = list(CONFIGS)
+# the models' cache argument: `cache` in recent releases, `past_key_values` in 5.0
+CACHE = ("cache" if "cache" in inspect.signature(transformers.LlamaForCausalLM.forward).parameters
+         else "past_key_values")
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -216,9 +222,9 @@ def test_cache_tensors_are_read_in_place(cache_kind, name, kernel_calls, monkeyp
 
     monkeypatch.setattr(core, "kernel_ready", kernel_ready)
     with torch.no_grad():
-        out = ours(ids, cache=cache, use_cache=True)
+        out = ours(ids, use_cache=True, **{CACHE: cache})
         del kernel_calls[:]
-        ours(out.logits[:, -1:].argmax(-1), cache=cache, use_cache=True)  # one decode step
+        ours(out.logits[:, -1:].argmax(-1), use_cache=True, **{CACHE: cache})  # one decode step
     assert not any(copied)
     for layer, (q, k, v, kw) in enumerate(kernel_calls):
         assert q.shape[2] == 1
