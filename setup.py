@@ -27,8 +27,6 @@ import sysconfig
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
 
-import numpy as np
-from Cython.Build import cythonize
 from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
 from setuptools.errors import CompileError
@@ -174,16 +172,19 @@ class BuildExt(build_ext):
         super().build_extensions()
 
 
-extensions = [
-    Extension(
-        "manyheads._kernels",
-        sources=["src/manyheads/_kernels.pyx"],
-        include_dirs=[CSRC, np.get_include()],
-        define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_9_API_VERSION")],
-    )
-]
+if __name__ == "__main__":  # (tools/check_cross.sh and a test import c_sources from here,
+    # where neither Cython nor NumPy's headers need be installed)
+    import numpy as np
+    from Cython.Build import cythonize
 
-if __name__ == "__main__":  # (tools/check_cross.sh imports c_sources from here)
+    extensions = [
+        Extension(
+            "manyheads._kernels",
+            sources=["src/manyheads/_kernels.pyx"],
+            include_dirs=[CSRC, np.get_include()],
+            define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_9_API_VERSION")],
+        )
+    ]
     setup(
         ext_modules=cythonize(extensions, language_level=3, include_path=["src"]),
         cmdclass={"build_ext": BuildExt},

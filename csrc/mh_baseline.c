@@ -26,9 +26,11 @@ typedef int64_t mh_v2l __attribute__((vector_size(16)));
 static inline mh_v4f v4f_add(mh_v4f a, mh_v4f b) { return a + b; }
 static inline mh_v4f v4f_sub(mh_v4f a, mh_v4f b) { return a - b; }
 static inline mh_v4f v4f_mul(mh_v4f a, mh_v4f b) { return a * b; }
+static inline mh_v4f v4f_div(mh_v4f a, mh_v4f b) { return a / b; }
 static inline mh_v2d v2d_add(mh_v2d a, mh_v2d b) { return a + b; }
 static inline mh_v2d v2d_sub(mh_v2d a, mh_v2d b) { return a - b; }
 static inline mh_v2d v2d_mul(mh_v2d a, mh_v2d b) { return a * b; }
+static inline mh_v2d v2d_div(mh_v2d a, mh_v2d b) { return a / b; }
 /* max returns b where a > b is false, so a NaN in b is kept (as the x86 paths do) */
 static inline mh_v4f v4f_max(mh_v4f a, mh_v4f b)
 {
@@ -120,10 +122,12 @@ typedef struct { double x[2]; } mh_v2d;
 MH_LANEWISE(mh_v4f, 4, v4f_add, a.x[l] + b.x[l])
 MH_LANEWISE(mh_v4f, 4, v4f_sub, a.x[l] - b.x[l])
 MH_LANEWISE(mh_v4f, 4, v4f_mul, a.x[l] * b.x[l])
+MH_LANEWISE(mh_v4f, 4, v4f_div, a.x[l] / b.x[l])
 MH_LANEWISE(mh_v4f, 4, v4f_max, a.x[l] > b.x[l] ? a.x[l] : b.x[l])
 MH_LANEWISE(mh_v2d, 2, v2d_add, a.x[l] + b.x[l])
 MH_LANEWISE(mh_v2d, 2, v2d_sub, a.x[l] - b.x[l])
 MH_LANEWISE(mh_v2d, 2, v2d_mul, a.x[l] * b.x[l])
+MH_LANEWISE(mh_v2d, 2, v2d_div, a.x[l] / b.x[l])
 MH_LANEWISE(mh_v2d, 2, v2d_max, a.x[l] > b.x[l] ? a.x[l] : b.x[l])
 static inline mh_v4f v4f_set1(float s) { mh_v4f r = {{s, s, s, s}}; return r; }
 static inline mh_v2d v2d_set1(double s) { mh_v2d r = {{s, s}}; return r; }
@@ -253,6 +257,7 @@ MH_UNARY(mh_v2d, double, 2, v2d_ninf0, t == -INFINITY ? 0.0 : t)
 #define V_ADD(a, b) v4f_add((a), (b))
 #define V_SUB(a, b) v4f_sub((a), (b))
 #define V_MUL(a, b) v4f_mul((a), (b))
+#define V_DIV(a, b) v4f_div((a), (b))
 #define V_MAX(a, b) v4f_max((a), (b))
 #ifdef MH_BASELINE_NEON
 #define V_FMA(a, b, c) v4f_fma((a), (b), (c))
@@ -307,6 +312,7 @@ MH_UNARY(mh_v2d, double, 2, v2d_ninf0, t == -INFINITY ? 0.0 : t)
 #define V_ADD(a, b) v2d_add((a), (b))
 #define V_SUB(a, b) v2d_sub((a), (b))
 #define V_MUL(a, b) v2d_mul((a), (b))
+#define V_DIV(a, b) v2d_div((a), (b))
 #define V_MAX(a, b) v2d_max((a), (b))
 #ifdef MH_BASELINE_NEON
 #define V_FMA(a, b, c) v2d_fma((a), (b), (c))

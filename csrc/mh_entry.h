@@ -77,9 +77,9 @@ void FN(mh_block_item)(const mh_attn_args *a, int64_t pair, int64_t q0, void *sc
 
     FN(attend)(a, pair, q0, nq, 0, S, &w);
 
-    /* normalise once; rows that saw no key have row_sum == 0 and give zeros */
+    /* normalise once; rows that saw no key (and have no sink) give zeros */
     for (int64_t i = 0; i < nq; ++i) {
-        const T inv = w.row_sum[i] == 0 ? (T)0 : (T)1 / w.row_sum[i];
+        const T inv = FN(row_finish)(a, pair, q0, i, nq / G, w.row_max[i], w.row_sum[i]);
         w.row_sum[i] = inv;
         FN(store_out)(a, mh_row_offset(a, &a->out, pair, q0, i, nq / G), w.acc + i * w.evp, inv,
                       Ev);
@@ -133,7 +133,7 @@ void FN(mh_merge_item)(const mh_attn_args *a, int64_t pair, void *scratch)
             for (int64_t d = 0; d < Ev; ++d) acc[d] += pacc[(s * L + i) * Ev + d] * f;
         }
         FN(store_out)(a, mh_row_offset(a, &a->out, pair, 0, i, a->q_len), acc,
-                      sum == 0 ? (T)0 : (T)1 / sum, Ev);
+                      FN(row_finish)(a, pair, 0, i, a->q_len, m, sum), Ev);
     }
 }
 

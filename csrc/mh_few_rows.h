@@ -301,6 +301,7 @@ static int FN(few_rows_masked_scores)(const mh_attn_args *a, int64_t pair, int64
         FN(few_rows_dots)(w->qt, ep, w->kpack, nq, kr, nk, ep / VW, w->st, MH_NATIVE,
                           FN(no_rows));
     }
+    if (a->softcap > 0 || a->alibi.base) FN(transform_scores)(a, pair, q0, nq, L, k0, nk, w->st, 0);
     const int cut = mh_block_is_cut(a, q0, L, k0, nk);
     for (int64_t g = 0; g < G; ++g) {
         T *sg = w->st + g * L * BK;

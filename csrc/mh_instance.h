@@ -12,7 +12,7 @@
  *   NVO, IR      output tile: IR query rows x NVO value vectors in registers
  *   FN(x)        x with the (type, ISA) suffix appended
  *   V_ZERO() V_SET1(x) V_LOAD(p) V_STORE(p, v)          (unaligned memory)
- *   V_ADD V_SUB V_MUL V_MAX(a, b) V_FMA(a, b, c) = a*b+c
+ *   V_ADD V_SUB V_MUL V_DIV V_MAX(a, b) V_FMA(a, b, c) = a*b+c
  *   V_EXP(v)     exp per lane; exp(-inf) = 0; NaN stays NaN
  *   V_NEG_INF_TO_ZERO(v)  lanes equal to -inf become 0
  *   V_HSUM(v)    sum of the lanes
@@ -45,6 +45,7 @@
  *
  * The pieces, each in its own file:
  *   mh_common.h     masks, dropout, widening loads, the work item's scratch
+ *   mh_scores.h     soft cap and ALiBi on the scores, sinks and log-sum-exp
  *   mh_tile.h       the tile path (blocks of query rows)
  *   mh_pair_bf16.h  the tile path's bfloat16 pair products (MH_HAS_BF16_DOT)
  *   mh_few_rows.h   the few-rows path (decode)
@@ -94,6 +95,7 @@
 #endif
 
 #include "mh_common.h"
+#include "mh_scores.h"
 #if MH_HAS_BF16_DOT
 #include "mh_pair_bf16.h"
 #endif

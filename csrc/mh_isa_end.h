@@ -18,6 +18,7 @@
 #undef V_ADD
 #undef V_SUB
 #undef V_MUL
+#undef V_DIV
 #undef V_MAX
 #undef V_FMA
 #undef V_EXP

@@ -195,6 +195,20 @@ typedef struct mh_attn_args {
 
     mh_causal causal;
     double scale;       /* multiplies q.k */
+
+    /* Transforms of the scaled scores s, in this order (each off by default):
+       softcap s = c tanh(s / c); the ALiBi bias s -= slope |i + S - L - j|
+       (queries aligned to the end of the keys); then the masks.  A sink joins
+       each row's softmax denominator as one more logit, with no value.  The
+       per-query-head values are addressed as the queries are (off[pair * G +
+       g]), one element each. */
+    double softcap;     /* c > 0, or 0: none */
+    mh_operand alibi;   /* the slope, kernel float type; base NULL: none */
+    mh_operand sinks;   /* the sink logit, kernel float type; base NULL: none */
+    /* Optional output (pairs, L), float32, addressed as the queries are: the
+       natural log of each row's softmax denominator (sink included), -inf for
+       a row that saw nothing; base NULL: not asked for. */
+    mh_operand lse;
     double dropout_p;   /* probability of dropping an attention weight */
     uint64_t seed;      /* dropout stream: see mh_dropout_bits() */
 

@@ -161,6 +161,7 @@ static int FN(tile_masked_scores)(const mh_attn_args *a, int64_t pair, int64_t q
         FN(tile_scores)(w->qt, E, k, k_row, nk, nvq, mh_row0_visible(a, q0, k0, nk), w->st, 0,
                         (T)1);
     }
+    if (a->softcap > 0 || a->alibi.base) FN(transform_scores)(a, pair, q0, nq, nq, k0, nk, w->st, 1);
     /* only blocks that cross the diagonal or the window edge need element
        masking; padding lanes are masked too so every entry is defined */
     if (mh_block_is_cut(a, q0, nq, k0, nk))

@@ -58,7 +58,8 @@ _load_kernels()
 from . import _config, oracle  # noqa: E402
 from ._config import get_num_threads, kernel_isa, set_num_threads, show_config  # noqa: E402
 from .cache import KVCache  # noqa: E402
-from .functional import explain, linear, scaled_dot_product_attention  # noqa: E402
+from .functional import (explain, linear, merge_attention,  # noqa: E402
+                         scaled_dot_product_attention)
 from .modules import CausalAttention, MultiHeadAttention, StackedMultiHeadAttention  # noqa: E402
 from .plot import head_roles, plot_attention  # noqa: E402
 
@@ -67,6 +68,7 @@ _config._init()
 __all__ = [
     "__version__",
     "scaled_dot_product_attention",
+    "merge_attention",
     "explain",
     "linear",
     "CausalAttention",

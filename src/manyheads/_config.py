@@ -1,7 +1,7 @@
 """Process-wide settings: the kernel path (ISA) and the thread count.
 
 The kernel path is chosen once, at import, from the CPU's features; the
-environment variable ``MANYHEADS_ISA=<name>`` forces one (the names: :func:`isa_names`,
+environment variable ``MANYHEADS_ISA=<name>`` forces one (the names: ``isa_names()``,
 from ``csrc/mh_isa_list.h``).
 """
 from __future__ import annotations
@@ -62,7 +62,7 @@ def _init() -> None:
 
 
 def kernel_isa() -> str:
-    """Name of the kernel path in use, one of :func:`isa_names` (``"avx512bf16"`` is
+    """Name of the kernel path in use, one of ``isa_names()`` (``"avx512bf16"`` is
     AVX-512 plus AVX512-BF16's pair products for bfloat16 inputs)."""
     return str(_state["isa"])
 

@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from . import _blas, _formats, _kernels
-from ._validate import dtype_name
+from ._validate import ScoreFeatures, dtype_name
 
 __all__ = ["attention", "explain", "CallPlan", "ItemPlan", "linear", "apply_rope", "rope_tables", "kernel_ready"]
 
@@ -257,6 +257,7 @@ def attention(
     split: bool | None = None,
     k_scale: np.ndarray | None = None,
     v_scale: np.ndarray | None = None,
+    features: ScoreFeatures | None = None,
     explain_only: bool = False,
 ) -> Any:
     """softmax(q kᵀ scale + mask) v over checked (..., L|S, E) arrays.
@@ -271,8 +272,13 @@ def attention(
     ``ml_dtypes.bfloat16``: the kernels then compute in float32, read q as it
     is and round the output to q's type as they write it; weights come back
     float32.  ``split`` forces (True) or forbids (False) the split-key
-    schedule; by default the plan chooses.  Returns the output, or ``(output,
-    weights)`` with ``return_weights``; with ``explain_only``, the plan (nothing runs).
+    schedule; by default the plan chooses.  ``features`` (see
+    ``_validate.ScoreFeatures``) is the soft cap of the scaled scores (c tanh(s /
+    c)), the sinks and the ALiBi slopes (one value per query head, broadcast
+    against the (..., query heads) batch) and whether to return the log-sum-exp.
+    Returns the output, then the weights with ``return_weights`` and the float32
+    log-sum-exp (..., L) if asked for; with ``explain_only``, the plan (nothing
+    runs).
     """
     # describe the call to the planner (_kernels.AttentionCall, which plans it once),
     # then lay the operands out as the plan says
@@ -295,7 +301,7 @@ def attention(
     heads_batch = q.shape[:-2] if common else _heads_batch(q, kvs, enable_gqa)
     call = _kernels.AttentionCall(
         q_fmt.bits == 64, (math.prod(heads_batch), L, S, E, Ev),
-        (q_fmt.code, kv_fmt.code, (q_fmt if out is None else _format(out)).code), kvs[:2],
+        (q_fmt.code, kv_fmt.code, (q_fmt if out is None else _format(out)).code), kvs,
         q.shape[-3] // k.shape[-3] if enable_gqa else 1,
         0 if mask is None else (2 if mask.ndim >= 3 and mask.shape[-3] != 1 else 1),
         return_weights, dropout_p > 0, -1 if split is None else int(bool(split)), num_threads)
@@ -329,9 +335,17 @@ def attention(
     if out is None:
         out = np.empty(heads_batch + (L, Ev), dtype=q.dtype)
     weights = np.zeros(batch + (L, S), dtype=compute) if return_weights else None
+    lse = None
+    if features is not None and features[3]:
+        lse = np.empty(heads_batch + (L,), np.float32)
     n_pairs = math.prod(heads_batch)
     if n_pairs and L and (S == 0 or Ev == 0):
         out[...] = 0
+        if lse is not None:  # nothing seen: the sink alone, else -inf
+            assert features is not None
+            sinks = features[1]
+            lse[...] = -np.inf if sinks is None else np.broadcast_to(
+                np.asarray(sinks, np.float32)[..., None], lse.shape)
     if n_pairs and L and S and Ev:
         call.set_query(qv.view(np.uint16) if qv.dtype.itemsize == 2 else qv, nb)
         scale_views = kv_views[2:] if len(kv_views) == 4 else (None, None)
@@ -344,12 +358,32 @@ def attention(
         if causal_offset is not None:
             call.set_causal(int(causal_offset), 0 if window is None else int(window))
         call.set_scale(float(scale))
+        if features is not None:
+            _set_features(call, features, lse, compute, heads_batch, group, nb)
         if dropout_p > 0:
             call.set_dropout(float(dropout_p), int(seed))
         if weights is not None:
             call.set_weights(weights)
         call.run(_on_main_thread())
+    if lse is not None:
+        return (out, weights, lse) if return_weights else (out, lse)
     return (out, weights) if return_weights else out
+
+
+def _set_features(call: Any, features: ScoreFeatures, lse: np.ndarray | None,
+                  compute: np.dtype, heads_batch: tuple[int, ...], group: int, nb: int) -> None:
+    """The soft cap, the per-query-head slopes and sinks (laid out as the queries) and
+    the log-sum-exp output of a call."""
+    softcap, sinks, alibi, _ = features
+    if softcap is not None:
+        call.set_softcap(float(softcap))
+    for values, setter in ((alibi, call.set_alibi), (sinks, call.set_sinks)):
+        if values is not None:
+            view = _broadcast(np.asarray(values, compute)[..., None, None], heads_batch + (1, 1))
+            setter(view if group == 1 else _split_axis(view, -3, group), nb)
+    if lse is not None:
+        lv = lse[..., None]
+        call.set_lse(lv if group == 1 else _split_axis(lv, -3, group), nb)
 
 
 _MAIN_THREAD_ID = threading.main_thread().ident

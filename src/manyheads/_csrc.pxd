@@ -84,6 +84,8 @@ cdef extern from "mh_kernels.h" nogil:
         int mask_kind
         mh_causal causal
         double scale
+        double softcap
+        mh_operand alibi, sinks, lse
         double dropout_p
         uint64_t seed
         void *weights

@@ -24,7 +24,7 @@ __all__ = ["StorageFormat", "FORMATS", "CACHE_FORMATS_TEXT", "by_name", "of_dtyp
 _SCALE_LAYOUTS = {0: "none", 1: "row", 2: "group pairs"}
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class StorageFormat:
     """One row of the table.
 

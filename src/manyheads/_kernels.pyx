@@ -417,7 +417,7 @@ cdef class AttentionCall:
     cdef const mh_kernel_table *table
     cdef bint is_f64
     cdef list _keep
-    cdef int64_t *_offsets  # 7 tables: q, k, v, out, mask, k_scale, v_scale
+    cdef int64_t *_offsets  # 10 tables: q, k, v, out, mask, k_scale, v_scale, alibi, sinks, lse
     cdef int64_t _table_len
 
     def __cinit__(self, bint float64, tuple shape, tuple formats, tuple kv,
@@ -450,7 +450,7 @@ cdef class AttentionCall:
                           &self.plan)
         # the query and output tables hold n_pairs * group entries
         self._table_len = (self.plan.n_pairs if self.plan.n_pairs > 0 else 1) * self.plan.group
-        self._offsets = <int64_t *>malloc(7 * sizeof(int64_t) * self._table_len)
+        self._offsets = <int64_t *>malloc(10 * sizeof(int64_t) * self._table_len)
         if self._offsets == NULL:
             raise MemoryError("cannot allocate the offset tables")
         self.a.n_pairs = self.plan.n_pairs
@@ -546,6 +546,24 @@ cdef class AttentionCall:
 
     def set_scale(self, double scale):
         self.a.scale = scale
+
+    def set_softcap(self, double cap):
+        """Scores become cap * tanh(score / cap) (scaled scores; cap > 0)."""
+        self.a.softcap = cap
+
+    def set_alibi(self, cnp.ndarray slopes, int n_batch):
+        """ALiBi slopes, one per query head: a view (.., 1, 1) of the call's float type
+        whose leading axes enumerate the pairs as the queries' do."""
+        self._operand(&self.a.alibi, 7, slopes, n_batch)
+
+    def set_sinks(self, cnp.ndarray sinks, int n_batch):
+        """Sink logits, one per query head, laid out as set_alibi's slopes."""
+        self._operand(&self.a.sinks, 8, sinks, n_batch)
+
+    def set_lse(self, cnp.ndarray lse, int n_batch):
+        """Float32 (.., L, 1), laid out as the queries: written with each row's
+        log-sum-exp."""
+        self._operand(&self.a.lse, 9, lse, n_batch)
 
     def set_dropout(self, double p, uint64_t seed):
         self.a.dropout_p = p

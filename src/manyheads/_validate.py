@@ -151,3 +151,38 @@ def as_float_array(x: Any, name: str) -> np.ndarray:
     if arr.dtype not in FLOAT_DTYPES:
         raise TypeError(f"{name} has dtype {arr.dtype}; supported dtypes are {FLOAT_DTYPES_TEXT}")
     return arr
+
+
+# The score transforms and extra output of one call (see _core.attention): soft cap (or
+# None), sinks (or None), ALiBi slopes (or None), and whether to return the log-sum-exp.
+ScoreFeatures = tuple["float | None", "np.ndarray | None", "np.ndarray | None", bool]
+
+
+def check_score_features(q: np.ndarray, softcap: Any, sinks: Any, alibi_slopes: Any,
+                         return_lse: Any) -> ScoreFeatures:
+    """The soft cap, sinks, ALiBi slopes and log-sum-exp flag of a call, checked
+    against the queries q (..., Hq, L, E)."""
+    heads = q.shape[-3] if q.ndim >= 3 else 1
+    lse = check_bool(return_lse, "return_lse")
+    cap = None
+    if softcap is not None:
+        cap = check_real(softcap, "softcap")
+        if cap <= 0:
+            raise ValueError(f"softcap must be positive, got {cap}")
+    sink_logits = None
+    if sinks is not None:
+        sink_logits = as_float_array(sinks, "sinks")
+        if sink_logits.shape != (heads,):
+            raise ValueError(f"sinks must have shape ({heads},): one logit per query head, "
+                             f"got {sink_logits.shape}")
+    slopes = None
+    if alibi_slopes is not None:
+        slopes = as_float_array(alibi_slopes, "alibi_slopes")
+        batch = q.shape[-4] if q.ndim >= 4 else None
+        if slopes.ndim not in (1, 2) or slopes.shape[-1] != heads or (
+                slopes.ndim == 2 and slopes.shape[0] not in (1, batch)):
+            want = f"({heads},)" + (f" or ({batch}, {heads})" if batch is not None else "")
+            raise ValueError(f"alibi_slopes must have shape {want}: one slope per query head"
+                             f"{' (and batch)' if batch is not None else ''}, "
+                             f"got {slopes.shape}")
+    return cap, sink_logits, slopes, lse

@@ -43,8 +43,8 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from . import _config, _core, _formats, _kernels
-from ._validate import (as_float_array, check_bool, check_int, check_optional_int,
-                        check_optional_real)
+from ._validate import (ScoreFeatures, as_float_array, check_bool, check_int,
+                        check_optional_int, check_optional_real, check_score_features)
 
 __all__ = ["KVCache", "CacheStep", "FORMATS", "StorageFormat", "quantize", "dequantize"]
 
@@ -235,8 +235,9 @@ class KVCache:
         return _Held(self)
 
     def attend(self, query: Any, key: Any, value: Any, *, key_padding_mask: Any = None,
-               scale: float | None = None, return_weights: bool = False,
-               num_threads: int | None = None) -> Any:
+               scale: float | None = None, softcap: float | None = None, sinks: Any = None,
+               alibi_slopes: Any = None, return_lse: bool = False,
+               return_weights: bool = False, num_threads: int | None = None) -> Any:
         """Append ``key``/``value`` for the new tokens and attend ``query`` over the whole cache.
 
         The functional side of the cache, for blocks with their own projections
@@ -255,6 +256,10 @@ class KVCache:
             True marks padding tokens among the new ones (never attended to).
         scale : float, optional
             Defaults to ``1 / sqrt(D)``.
+        softcap, sinks, alibi_slopes, return_lse
+            As in :func:`manyheads.scaled_dot_product_attention`; ALiBi measures
+            distances between absolute positions (the query of position p and
+            the key of position j are p - j apart).
         return_weights : bool
             Also return the weights, shape (B, Hq, T, S) over the S keys attended.
         num_threads : int, optional
@@ -263,6 +268,7 @@ class KVCache:
         -------
         out : ndarray, shape (B, Hq, T, D)
         weights : ndarray, with ``return_weights=True``
+        lse : ndarray, shape (B, Hq, T), float32, with ``return_lse=True``
         """
         q = as_float_array(query, "query")
         k = as_float_array(key, "key")
@@ -295,14 +301,14 @@ class KVCache:
                                  f"got {pad.dtype} {pad.shape}")
         s = check_optional_real(scale, "scale")
         rw = check_bool(return_weights, "return_weights")
+        features = check_score_features(q, softcap, sinks, alibi_slopes, return_lse)
         nt = _config.resolve_num_threads(num_threads)
         if self._len + T > self.max_len:
             raise ValueError(f"cache is full: {self._len} tokens + {T} new > "
                              f"max_len={self.max_len}")
         with self.step(T, pad) as step:
             return step.attend(q, k, v, scale=1.0 / math.sqrt(D) if s is None else s,
-                               num_threads=nt,
-                               return_weights=rw)
+                               num_threads=nt, return_weights=rw, features=features)
 
     # -- storage -------------------------------------------------------------------------
     def _store(self, heads: slice, slots: Any, k: np.ndarray, v: np.ndarray) -> None:
@@ -403,11 +409,12 @@ class CacheStep:
     def attend(self, q: np.ndarray, k_new: np.ndarray, v_new: np.ndarray,
                heads: slice = slice(None), *, scale: float, num_threads: int,
                out: np.ndarray | None = None, return_weights: bool = False,
-               dropout_p: float = 0.0, seed: int = 0) -> Any:
+               dropout_p: float = 0.0, seed: int = 0,
+               features: ScoreFeatures | None = None) -> Any:
         """Attend q (B, Hq, T, D) to the cached keys plus the T new ones of kv heads ``heads``.
 
         Writes the new keys, values and padding into the cache; the length
-        advances when the step ends.
+        advances when the step ends.  ``features`` as in ``_core.attention``.
         """
         c, pad_new = self.cache, self.pad_new
         T = k_new.shape[2]
@@ -415,6 +422,9 @@ class CacheStep:
         kw: dict[str, Any] = dict(scale=scale, num_threads=num_threads, out=out,
                                   return_weights=return_weights, dropout_p=dropout_p, seed=seed,
                                   enable_gqa=q.shape[1] != c.keys[:, heads].shape[1])
+        if features is not None:
+            kw["features"] = features
+        alibi = None if features is None else features[2]
         any_pad = c._any_padding or (pad_new is not None and bool(pad_new.any()))
         if past + T <= cap:
             # no wrap: slot == position
@@ -427,7 +437,7 @@ class CacheStep:
             return _core.attention(q, st.k, st.v, k_scale=st.k_scale, v_scale=st.v_scale,
                                    mask=mask, causal_offset=past, window=c.window, **kw)
         assert c.window is not None  # only a windowed cache is smaller than max_len
-        if T == 1:
+        if T == 1 and alibi is None:  # (ALiBi needs the keys in position order: below)
             # the ring holds exactly the window of the new query: every slot is visible
             slot = past % cap
             c._store(heads, slice(slot, slot + 1), k_new, v_new)

@@ -7,7 +7,7 @@ broadcasting, grouped-query head sharing and strides into one kernel call.
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -15,10 +15,11 @@ from . import _config, _core
 from ._core import CallPlan, ItemPlan
 from ._validate import (ATTENTION_DTYPES_TEXT, FLOAT_DTYPES,
                         as_attention_array, as_float_array, check_bool,
-                        check_dropout, check_optional_real, is_half, seed_value)
+                        check_dropout, check_optional_real, check_score_features, is_half,
+                        seed_value)
 
-__all__ = ["scaled_dot_product_attention", "explain", "CallPlan", "ItemPlan", "linear",
-           "SUPPORTED_DTYPES"]
+__all__ = ["scaled_dot_product_attention", "merge_attention", "explain", "CallPlan", "ItemPlan",
+           "linear", "SUPPORTED_DTYPES"]
 
 SUPPORTED_DTYPES = FLOAT_DTYPES
 
@@ -78,7 +79,9 @@ def _check_shapes(q: np.ndarray, k: np.ndarray, v: np.ndarray) -> None:
 def scaled_dot_product_attention(
     query: Any, key: Any, value: Any, attn_mask: Any = None, dropout_p: float = 0.0,
     is_causal: bool = False, scale: float | None = None, enable_gqa: bool = False, *,
-    return_weights: bool = False, seed: Any = None, num_threads: int | None = None,
+    softcap: float | None = None, sinks: Any = None, alibi_slopes: Any = None,
+    return_lse: bool = False, return_weights: bool = False, seed: Any = None,
+    num_threads: int | None = None,
 ) -> Any:
     """Scaled dot-product attention with PyTorch's semantics, on NumPy arrays.
 
@@ -109,6 +112,23 @@ def scaled_dot_product_attention(
     enable_gqa : bool
         Grouped-query attention: each key/value head serves ``Hq // Hkv``
         consecutive query heads.
+    softcap : float, optional, keyword-only
+        Soft cap c > 0 of the scaled scores: each becomes ``c * tanh(s / c)``
+        (Gemma 2, flash-attn), before the ALiBi bias and the masks.
+    sinks : array-like, shape (Hq,), optional, keyword-only
+        Attention sinks (gpt-oss): one logit per query head, in the units of the
+        scaled scores, that joins each row's softmax denominator and has no
+        value: ``softmax(cat(scores, sink))[..., :-1] @ value``.
+    alibi_slopes : array-like, shape (Hq,) or (B, Hq), optional, keyword-only
+        ALiBi: the bias ``-slope * |i + S - L - j|`` is added to the scaled
+        scores (queries aligned to the end of the keys, as flash-attn does).
+        It is computed from the slopes as the kernels go; no (L, S) bias is
+        stored.
+    return_lse : bool, keyword-only
+        Also return the log-sum-exp (..., Hq, L), float32: the natural log of
+        each row's softmax denominator, with the soft cap, the bias, the mask
+        and the sink applied; -inf for a row that sees no key (and has no
+        sink).  :func:`merge_attention` combines results over disjoint keys.
     return_weights : bool, keyword-only
         Also return the attention weights, shape (..., Hq, L, S) (after dropout).
     seed : int, numpy Generator or None, keyword-only
@@ -121,6 +141,8 @@ def scaled_dot_product_attention(
     out : ndarray, shape (..., Hq, L, Ev)
     weights : ndarray, shape (..., Hq, L, S)
         Only with ``return_weights=True``.
+    lse : ndarray, shape (..., Hq, L), float32
+        Only with ``return_lse=True`` (after the weights, if both are asked for).
 
     Notes
     -----
@@ -132,12 +154,67 @@ def scaled_dot_product_attention(
         num_threads)
     # half precision: queries, keys and values are read in place and widened by the
     # kernels, which round the float32 result to the input type as they write it
-    res = _core.attention(q, k, v, mask=mask, causal_offset=0 if causal else None, scale=s,
-                          dropout_p=p, seed=seed_value(seed) if p > 0 else 0, enable_gqa=gqa,
-                          return_weights=rw, num_threads=nt)
+    if softcap is None and sinks is None and alibi_slopes is None and return_lse is False:
+        res = _core.attention(q, k, v, mask=mask, causal_offset=0 if causal else None, scale=s,
+                              dropout_p=p, seed=seed_value(seed) if p > 0 else 0,
+                              enable_gqa=gqa, return_weights=rw, num_threads=nt)
+    else:
+        res = _core.attention(q, k, v, mask=mask, causal_offset=0 if causal else None, scale=s,
+                              dropout_p=p, seed=seed_value(seed) if p > 0 else 0,
+                              enable_gqa=gqa, return_weights=rw, num_threads=nt,
+                              features=check_score_features(q, softcap, sinks, alibi_slopes,
+                                                            return_lse))
     if half is not None and rw:
-        return res[0], res[1].astype(half)
+        return (res[0], res[1].astype(half)) + tuple(res[2:])
     return res
+
+
+def merge_attention(outs: Sequence[Any], lses: Sequence[Any]) -> tuple[np.ndarray, np.ndarray]:
+    """Combine attention computed over disjoint sets of keys into the attention over
+    their union.
+
+    Each part is the output of :func:`scaled_dot_product_attention` over some keys
+    and its log-sum-exp (``return_lse=True``).  The result is the output and
+    log-sum-exp over all the keys, within rounding: a sliced cache, keys sharded
+    across processes or machines, chunked prefill.  A part that saw nothing
+    (lse -inf) contributes nothing; if no part saw anything the output is zeros
+    and the lse -inf.  (A sink belongs in one part only.)
+
+    Parameters
+    ----------
+    outs : sequence of ndarrays, shape (..., L, Ev), one dtype
+    lses : sequence of ndarrays, shape (..., L)
+
+    Returns
+    -------
+    out : ndarray, shape (..., L, Ev), the dtype of the outputs
+    lse : ndarray, shape (..., L), float32
+    """
+    if len(outs) == 0 or len(outs) != len(lses):
+        raise ValueError(f"give one lse per output, at least one of each; got {len(outs)} "
+                         f"outputs and {len(lses)} lses")
+    parts = [as_attention_array(o, f"outs[{i}]") for i, o in enumerate(outs)]
+    logs = [as_float_array(x, f"lses[{i}]") for i, x in enumerate(lses)]
+    for i, (o, x) in enumerate(zip(parts, logs)):
+        if o.shape != parts[0].shape or o.dtype != parts[0].dtype:
+            raise ValueError(f"outs[{i}] has shape {o.shape} and dtype {o.dtype}; every output "
+                             f"must match outs[0] ({parts[0].shape}, {parts[0].dtype})")
+        if x.shape != o.shape[:-1]:
+            raise ValueError(f"lses[{i}] must have shape {o.shape[:-1]} (the output's without "
+                             f"its last axis), got {x.shape}")
+    acc = np.float64 if parts[0].dtype == np.float64 else np.float32
+    lse = np.stack([x.astype(acc, copy=False) for x in logs])
+    top = lse.max(axis=0)
+    top = np.where(np.isneginf(top), 0, top)
+    share = np.exp(lse - top)  # each part's denominator, on the common scale
+    total = share.sum(axis=0)
+    merged = np.zeros(parts[0].shape, acc)
+    for w, o in zip(share, parts):
+        merged += w[..., None] * o.astype(acc, copy=False)
+    with np.errstate(divide="ignore"):
+        inv = np.where(total == 0, 0, 1 / np.where(total == 0, 1, total))
+        merged_lse = (np.log(total) + top).astype(np.float32)
+    return (merged * inv[..., None]).astype(parts[0].dtype, copy=False), merged_lse
 
 
 # the checked arguments: q, k, v, mask, dropout_p, is_causal, scale, enable_gqa,

@@ -45,7 +45,8 @@ class FusedWeights:
     h*head_dim..(h+1)*head_dim; biases (d_out,) or None; ``W_out`` (d_out,
     d_out) and ``b_out`` (d_out,), or None when there is no output projection;
     ``scale`` None means 1/sqrt(head_dim); ``rope_theta`` the base of rotary
-    position embeddings, None for none.
+    position embeddings, None for none; ``softcap``, ``sinks`` and
+    ``alibi_slopes`` the scores' soft cap and the per-head sinks and slopes.
     """
 
     d_in: int
@@ -63,6 +64,9 @@ class FusedWeights:
     dropout: float
     rope_theta: float | None = None
     causal: bool = True
+    softcap: float | None = None  # c of the scores' soft cap, None: none
+    sinks: np.ndarray | None = None  # (num_heads,) sink logits, None: none
+    alibi_slopes: np.ndarray | None = None  # (num_heads,) ALiBi slopes, None: none
 
 
 def tensor_to_numpy(t: Any, dtype: Any) -> np.ndarray:

@@ -66,6 +66,16 @@ _SHARED_PARAMETERS = """
     batch_first : bool, keyword-only
         True (the default): inputs and outputs are (B, T, d).  False: (T, B, d),
         like ``torch.nn.MultiheadAttention(batch_first=False)``.
+    softcap : float, optional, keyword-only
+        Soft cap of the scaled scores, ``c * tanh(s / c)`` (Gemma 2).
+    sinks : bool, keyword-only
+        Attention sinks (gpt-oss): the module holds ``sinks``, one learned
+        logit per head (zeros until set), that joins each row's softmax
+        denominator with no value.
+    alibi : bool, keyword-only
+        ALiBi (BLOOM, MPT): the module holds ``alibi_slopes``, one slope per
+        head (the paper's geometric sequence until set), and each score gets
+        ``-slope * distance`` between the query's and the key's positions.
     dtype : float32 or float64, keyword-only
     seed : int, numpy Generator or None, keyword-only
         Seeds the weight initialisation and the dropout stream."""
@@ -74,7 +84,18 @@ _SHARED_PARAMETERS = """
 _REPR_ALWAYS = ("d_in", "d_out", "context_length", "dropout", "num_heads", "qkv_bias")
 # keyword options, shown by repr only when they differ from these
 _REPR_DEFAULTS: dict[str, Any] = {"causal": True, "window": None, "rope_theta": None,
-                                  "batch_first": True, "out_proj": True, "scale": None}
+                                  "batch_first": True, "out_proj": True, "scale": None,
+                                  "softcap": None, "sinks": False, "alibi": False}
+
+
+def alibi_slopes(num_heads: int) -> np.ndarray:
+    """The ALiBi paper's slopes for ``num_heads`` heads, float64: the geometric sequence
+    2^(-8/n), 2^(-16/n), ... for the largest power of two n <= num_heads, then, for the
+    heads past n, every other slope of the sequence for 2n."""
+    n = 1 << (int(num_heads).bit_length() - 1)
+    slopes = [2.0 ** (-8.0 * (i + 1) / n) for i in range(n)]
+    slopes += [2.0 ** (-8.0 * (2 * i + 1) / (2 * n)) for i in range(num_heads - n)]
+    return np.array(slopes)
 
 
 class _AttentionModule:
@@ -92,11 +113,15 @@ class _AttentionModule:
     num_heads: int = 1
     scale: float | None = None  # multiplies q.k; None is 1/sqrt(head_dim)
     rope_theta: float | None = None  # rotary position embeddings' base; None: none
+    softcap: float | None = None  # c of the scores' soft cap c tanh(s / c); None: none
+    sinks: np.ndarray | None = None  # (num_heads,) learned sink logits, or None
+    alibi_slopes: np.ndarray | None = None  # (num_heads,) ALiBi slopes, or None
     _rng: np.random.Generator
 
     def _init_common(self, d_in: Any, d_out: Any, context_length: Any, dropout: Any,
                      qkv_bias: Any, *, causal: Any, window: Any, batch_first: Any, dtype: Any,
-                     seed: Any, rope_theta: Any, num_heads: Any = 1) -> None:
+                     seed: Any, rope_theta: Any, num_heads: Any = 1, softcap: Any = None,
+                     sinks: Any = False, alibi: Any = False) -> None:
         """The settings every module shares; ``num_heads`` None means it was not given."""
         self.d_in = check_int(d_in, "d_in", 1)
         self.d_out = self.d_in if d_out is None else check_int(d_out, "d_out", 1)
@@ -112,6 +137,12 @@ class _AttentionModule:
         self._rng = rng_from_seed(seed)
         self._init_heads(num_heads)
         self._init_rope(rope_theta, self.head_dim)
+        self.softcap = check_optional_real(softcap, "softcap")
+        if self.softcap is not None and self.softcap <= 0:
+            raise ValueError(f"softcap must be positive, got {self.softcap}")
+        self.sinks = np.zeros(self.num_heads, self.dtype) if check_bool(sinks, "sinks") else None
+        self.alibi_slopes = alibi_slopes(self.num_heads).astype(self.dtype) \
+            if check_bool(alibi, "alibi") else None
 
     def _init_heads(self, num_heads: Any) -> None:
         if num_heads is None:
@@ -358,13 +389,19 @@ class _AttentionModule:
                 return_weights: bool, nt: int, out: np.ndarray | None = None) -> Any:
         """Attention of q over k, v (and the cache): (B, H, T, D) arrays."""
         scale = 1.0 / np.sqrt(q.shape[-1]) if self.scale is None else self.scale
+        features = None
+        if self.softcap is not None or self.sinks is not None or self.alibi_slopes is not None:
+            features = (self.softcap, self.sinks, self.alibi_slopes, False)
         if step is not None:
             return step.attend(q, k, v, heads, scale=scale, num_threads=nt, out=out,
-                               return_weights=return_weights, dropout_p=p, seed=seed)
+                               return_weights=return_weights, dropout_p=p, seed=seed,
+                               features=features)
+        # (without a cache the queries and keys are the same positions: aligned causally)
         return _core.attention(q, k, v, mask=mask, causal_offset=0 if self.causal else None,
                                window=self.window, scale=scale, dropout_p=p, seed=seed,
                                enable_gqa=q.shape[1] != k.shape[1],
-                               return_weights=return_weights, num_threads=nt, out=out)
+                               return_weights=return_weights, num_threads=nt, out=out,
+                               features=features)
 
     # -- save and load ------------------------------------------------------------------------
     FORMAT_VERSION = 2
@@ -374,7 +411,18 @@ class _AttentionModule:
         return dict(d_in=self.d_in, d_out=self.d_out, context_length=self.context_length,
                     dropout=self.dropout, qkv_bias=self.qkv_bias, causal=self.causal,
                     window=self.window, rope_theta=self.rope_theta,
-                    batch_first=self.batch_first, dtype=self.dtype.name)
+                    batch_first=self.batch_first, softcap=self.softcap,
+                    sinks=self.sinks is not None, alibi=self.alibi_slopes is not None,
+                    dtype=self.dtype.name)
+
+    def _score_weights(self) -> dict[str, np.ndarray]:
+        """The sinks and ALiBi slopes, when the module has them (saved with the weights)."""
+        arrays = {}
+        if self.sinks is not None:
+            arrays["sinks"] = self.sinks
+        if self.alibi_slopes is not None:
+            arrays["alibi_slopes"] = self.alibi_slopes
+        return arrays
 
     def _weights(self) -> dict[str, np.ndarray]:
         """Every weight array by a stable name."""
@@ -437,10 +485,11 @@ class CausalAttention(_AttentionModule):
     def __init__(self, d_in: int, d_out: int | None = None, context_length: int = 1024,
                  dropout: float = 0.0, qkv_bias: bool = False, *, causal: bool = True,
                  window: int | None = None, rope_theta: float | None = None,
-                 batch_first: bool = True, dtype: Any = np.float32, seed: Any = None) -> None:
+                 batch_first: bool = True, softcap: float | None = None, sinks: bool = False,
+                 alibi: bool = False, dtype: Any = np.float32, seed: Any = None) -> None:
         self._init_common(d_in, d_out, context_length, dropout, qkv_bias, causal=causal,
                           window=window, batch_first=batch_first, dtype=dtype, seed=seed,
-                          rope_theta=rope_theta)
+                          rope_theta=rope_theta, softcap=softcap, sinks=sinks, alibi=alibi)
         rng, shape = self._rng, (self.d_in, self.d_out)
         self.W_query = _linear_init(rng, self.d_in, shape, self.dtype)
         self.W_key = _linear_init(rng, self.d_in, shape, self.dtype)
@@ -459,7 +508,7 @@ class CausalAttention(_AttentionModule):
     def _weights(self) -> dict[str, np.ndarray]:
         names = ("W_query", "W_key", "W_value") + (("b_query", "b_key", "b_value")
                                                    if self.qkv_bias else ())
-        return {n: getattr(self, n) for n in names}
+        return dict({n: getattr(self, n) for n in names}, **self._score_weights())
 
     def _project(self, x: np.ndarray, W: np.ndarray, b: np.ndarray | None, nt: int
                  ) -> np.ndarray:
@@ -521,17 +570,23 @@ class StackedMultiHeadAttention(_AttentionModule):
                  dropout: float = 0.0, num_heads: int | None = None, qkv_bias: bool = False, *,
                  out_proj: bool = True, causal: bool = True, window: int | None = None,
                  rope_theta: float | None = None, batch_first: bool = True,
+                 softcap: float | None = None, sinks: bool = False, alibi: bool = False,
                  dtype: Any = np.float32, seed: Any = None) -> None:
+        # (each head holds its own sink and ALiBi slope)
         self._init_common(d_in, d_out, context_length, dropout, qkv_bias, causal=causal,
                           window=window, batch_first=batch_first, dtype=dtype, seed=seed,
-                          rope_theta=rope_theta, num_heads=num_heads)
+                          rope_theta=rope_theta, num_heads=num_heads, softcap=softcap)
         rng = self._rng
+        with_sinks, with_alibi = check_bool(sinks, "sinks"), check_bool(alibi, "alibi")
         self.heads = [
             CausalAttention(self.d_in, self.head_dim, self.context_length, self.dropout,
                             self.qkv_bias, causal=self.causal, window=self.window,
-                            rope_theta=self.rope_theta, dtype=self.dtype, seed=rng)
+                            rope_theta=self.rope_theta, softcap=self.softcap, sinks=with_sinks,
+                            alibi=with_alibi, dtype=self.dtype, seed=rng)
             for _ in range(self.num_heads)
         ]
+        if with_alibi:  # head h takes the h-th slope of the whole module's sequence
+            self.alibi_slopes = alibi_slopes(self.num_heads)
         self.W_out: np.ndarray | None = None
         self.b_out: np.ndarray | None = None
         if out_proj:
@@ -540,6 +595,42 @@ class StackedMultiHeadAttention(_AttentionModule):
 
     def _cache_geometry(self) -> tuple[int, int]:
         return self.num_heads, self.head_dim
+
+    def _per_head(self, name: str) -> np.ndarray | None:
+        heads = getattr(self, "heads", None)
+        if not heads or getattr(heads[0], name) is None:
+            return None
+        return np.concatenate([getattr(h, name) for h in heads])
+
+    def _set_per_head(self, name: str, value: Any) -> None:
+        if value is None:  # (the shared constructor's default, before the heads exist)
+            if self._per_head(name) is not None:
+                raise ValueError(f"{name} cannot be removed: make the module with "
+                                 f"{name.split('_')[0]}=False")
+            return
+        if self._per_head(name) is None:
+            raise ValueError(f"this module has no {name}: make it with "
+                             f"{name.split('_')[0]}=True")
+        for h, head in enumerate(self.heads):
+            getattr(head, name)[...] = np.asarray(value)[h]
+
+    @property
+    def sinks(self) -> np.ndarray | None:
+        """The heads' sink logits side by side (a copy; assign to set them), or None."""
+        return self._per_head("sinks")
+
+    @sinks.setter
+    def sinks(self, value: Any) -> None:
+        self._set_per_head("sinks", value)
+
+    @property
+    def alibi_slopes(self) -> np.ndarray | None:
+        """The heads' ALiBi slopes side by side (a copy; assign to set them), or None."""
+        return self._per_head("alibi_slopes")
+
+    @alibi_slopes.setter
+    def alibi_slopes(self, value: Any) -> None:
+        self._set_per_head("alibi_slopes", value)
 
     def _settings(self) -> dict[str, Any]:
         return dict(super()._settings(), num_heads=self.num_heads,
@@ -584,7 +675,8 @@ class StackedMultiHeadAttention(_AttentionModule):
             b_q=packed("b_query", 0), b_k=packed("b_key", 0), b_v=packed("b_value", 0),
             W_out=None if self.W_out is None else self.W_out.copy(),
             b_out=None if self.b_out is None else self.b_out.copy(),
-            scale=None, dropout=self.dropout, rope_theta=self.rope_theta, causal=self.causal)
+            scale=None, dropout=self.dropout, rope_theta=self.rope_theta, causal=self.causal,
+            softcap=self.softcap, sinks=self.sinks, alibi_slopes=self.alibi_slopes)
 
     @classmethod
     def from_weights(cls, w: FusedWeights, context_length: int = 1024, *,
@@ -596,7 +688,13 @@ class StackedMultiHeadAttention(_AttentionModule):
                              "MultiHeadAttention for this module")
         st = cls(w.d_in, w.d_out, context_length, w.dropout, w.num_heads, w.b_q is not None,
                  out_proj=w.W_out is not None, causal=w.causal, window=window,
-                 rope_theta=w.rope_theta, batch_first=batch_first, dtype=dtype, seed=0)
+                 rope_theta=w.rope_theta, batch_first=batch_first, softcap=w.softcap,
+                 sinks=w.sinks is not None, alibi=w.alibi_slopes is not None, dtype=dtype,
+                 seed=0)
+        if w.sinks is not None:
+            st.sinks = w.sinks
+        if w.alibi_slopes is not None:
+            st.alibi_slopes = w.alibi_slopes
         for h, head in enumerate(st.heads):
             c = _head_columns(h, st.head_dim)
             head.W_query[...], head.W_key[...], head.W_value[...] = w.W_q[:, c], w.W_k[:, c], w.W_v[:, c]
@@ -704,10 +802,12 @@ class MultiHeadAttention(_AttentionModule):
                  num_kv_heads: int | None = None, causal: bool = True,
                  window: int | None = None, scale: float | None = None,
                  rope_theta: float | None = None, batch_first: bool = True,
+                 softcap: float | None = None, sinks: bool = False, alibi: bool = False,
                  dtype: Any = np.float32, seed: Any = None) -> None:
         self._init_common(d_in, d_out, context_length, dropout, qkv_bias, causal=causal,
                           window=window, batch_first=batch_first, dtype=dtype, seed=seed,
-                          rope_theta=rope_theta, num_heads=num_heads)
+                          rope_theta=rope_theta, num_heads=num_heads, softcap=softcap,
+                          sinks=sinks, alibi=alibi)
         self.scale = check_optional_real(scale, "scale")
         kvh = check_optional_int(num_kv_heads, "num_kv_heads", 1) or self.num_heads
         if self.num_heads % kvh:
@@ -745,7 +845,7 @@ class MultiHeadAttention(_AttentionModule):
         arrays = {"W_qkv": self.W_qkv, "W_out": self.W_out, "b_out": self.b_out}
         if self.b_qkv is not None:
             arrays["b_qkv"] = self.b_qkv
-        return arrays
+        return dict(arrays, **self._score_weights())
 
     def _forward(self, xq: np.ndarray, kv_in: tuple[np.ndarray, np.ndarray] | None,
                  mask: np.ndarray | None, step: CacheStep | None, training: bool,
@@ -786,7 +886,11 @@ class MultiHeadAttention(_AttentionModule):
                             W_q=self.W_query.copy(), W_k=self.W_key.copy(),
                             W_v=self.W_value.copy(), b_q=bias[0], b_k=bias[1], b_v=bias[2],
                             W_out=self.W_out.copy(), b_out=self.b_out.copy(), scale=self.scale,
-                            dropout=self.dropout, rope_theta=self.rope_theta, causal=self.causal)
+                            dropout=self.dropout, rope_theta=self.rope_theta, causal=self.causal,
+                            softcap=self.softcap,
+                            sinks=None if self.sinks is None else self.sinks.copy(),
+                            alibi_slopes=None if self.alibi_slopes is None
+                            else self.alibi_slopes.copy())
 
     @classmethod
     def from_weights(cls, w: FusedWeights, context_length: int = 1024, *,
@@ -795,7 +899,11 @@ class MultiHeadAttention(_AttentionModule):
         """A fused module with these weights (copied); no output projection becomes the identity."""
         m = cls(w.d_in, w.d_out, context_length, w.dropout, w.num_heads, w.b_q is not None,
                 causal=w.causal, window=window, scale=w.scale, rope_theta=w.rope_theta,
-                batch_first=batch_first, dtype=dtype, seed=0)
+                batch_first=batch_first, softcap=w.softcap, sinks=w.sinks is not None,
+                alibi=w.alibi_slopes is not None, dtype=dtype, seed=0)
+        for name in ("sinks", "alibi_slopes"):
+            if getattr(w, name) is not None:
+                getattr(m, name)[...] = getattr(w, name)
         m.W_query, m.W_key, m.W_value = w.W_q, w.W_k, w.W_v
         if m.b_qkv is not None:
             assert w.b_q is not None and w.b_k is not None and w.b_v is not None

@@ -10,7 +10,7 @@ All functions compute in the dtype they are given (pass float64 arrays, or
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -21,6 +21,7 @@ __all__ = [
     "stacked_multi_head_attention",
     "scaled_dot_product_attention",
     "dropout_keep_mask",
+    "merge_attention",
 ]
 
 
@@ -219,18 +220,26 @@ def scaled_dot_product_attention(
     scale: float | None = None,
     enable_gqa: bool = False,
     *,
+    softcap: float | None = None,
+    sinks: np.ndarray | None = None,
+    alibi_slopes: np.ndarray | None = None,
+    return_lse: bool = False,
     causal_offset: int = 0,
     window: int | None = None,
     seed: int = 0,
     return_weights: bool = False,
     dtype: type | None = None,
-) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
+) -> Any:
     """Reference for :func:`manyheads.scaled_dot_product_attention` (same semantics).
 
     Parameters
     ----------
     query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa
         As in :func:`manyheads.scaled_dot_product_attention`.
+    softcap, sinks, alibi_slopes, return_lse : keyword-only
+        As in :func:`manyheads.scaled_dot_product_attention`: the scaled scores
+        become ``softcap * tanh(s / softcap)``, then ``- slope * |i + S - L - j|``;
+        a sink is one more logit in each row's softmax, with no value.
     causal_offset : int, default 0, keyword-only
         Shifts the causal triangle: query i sees keys j <= i + offset.
     window : int, optional, keyword-only
@@ -249,6 +258,9 @@ def scaled_dot_product_attention(
         The attention output.
     weights : ndarray, shape (..., Hq, L, S)
         Only with ``return_weights=True``.
+    lse : ndarray, shape (..., Hq, L)
+        Only with ``return_lse=True``: the natural log of each row's softmax
+        denominator (the sink included), -inf for a row that sees nothing.
     """
     if dtype is not None:
         query, key, value = (a.astype(dtype) for a in (query, key, value))
@@ -260,6 +272,12 @@ def scaled_dot_product_attention(
         value = np.repeat(value, group, axis=-3)
     scale = 1.0 / np.sqrt(E) if scale is None else scale
     scores = (query @ np.swapaxes(key, -1, -2)) * np.asarray(scale, dtype=query.dtype)
+    if softcap is not None:  # Gemma 2's soft cap on the scaled scores
+        scores = softcap * np.tanh(scores / softcap)
+    if alibi_slopes is not None:  # a linear penalty on the distance, queries at the end
+        distance = np.abs(np.arange(L)[:, None] + (S - L) - np.arange(S)[None, :])
+        slopes = np.asarray(alibi_slopes, dtype=scores.dtype)[..., None, None]
+        scores = scores - slopes * distance.astype(scores.dtype)
     if is_causal:
         scores = np.where(causal_mask(L, S, causal_offset), -np.inf, scores)
         if window is not None:
@@ -270,7 +288,20 @@ def scaled_dot_product_attention(
             scores = np.where(attn_mask, scores, -np.inf)
         else:
             scores = scores + attn_mask.astype(scores.dtype)
-    weights = softmax(scores)
+    if sinks is not None:  # one more logit per row, whose weight is dropped
+        sink = np.broadcast_to(np.asarray(sinks, scores.dtype)[..., None, None],
+                               scores.shape[:-1] + (1,))
+        logits = np.concatenate([scores, sink], axis=-1)
+        weights = softmax(logits)[..., :-1]
+    else:
+        logits = scores
+        weights = softmax(scores)
+    if return_lse:
+        top = np.max(logits, axis=-1, keepdims=True) if logits.shape[-1] else \
+            np.full(logits.shape[:-1] + (1,), -np.inf, logits.dtype)
+        top = np.where(np.isneginf(top), 0, top)
+        with np.errstate(divide="ignore"):
+            lse = (np.log(np.exp(logits - top).sum(axis=-1, keepdims=True)) + top)[..., 0]
     if dropout_p > 0:
         keep = dropout_keep_mask(seed, weights.shape, dropout_p)
         factor = 0.0 if dropout_p >= 1 else 1.0 / (1.0 - dropout_p)
@@ -282,4 +313,20 @@ def scaled_dot_product_attention(
         hidden = np.isneginf(scores)
         terms = weights[..., :, :, None] * value[..., None, :, :]
         out = np.where(hidden[..., None], 0, terms).sum(axis=-2)
-    return (out, weights) if return_weights else out
+    result = (out,) + ((weights,) if return_weights else ()) + ((lse,) if return_lse else ())
+    return result if len(result) > 1 else out
+
+
+def merge_attention(outs: Any, lses: Any) -> tuple[np.ndarray, np.ndarray]:
+    """Reference for :func:`manyheads.merge_attention`: attention over disjoint key
+    sets, each given as its output (..., L, Ev) and log-sum-exp (..., L), combined
+    into the attention over their union, step by step."""
+    lse = np.stack([np.asarray(x, np.float64) for x in lses])  # (parts, ..., L)
+    top = np.max(lse, axis=0)
+    top = np.where(np.isneginf(top), 0, top)
+    share = np.exp(lse - top)  # each part's denominator over the common one's scale
+    total = share.sum(axis=0)
+    out = sum(w[..., None] * np.asarray(o, np.float64) for w, o in zip(share, outs))
+    with np.errstate(divide="ignore", invalid="ignore"):
+        merged = np.where(total[..., None] == 0, 0, out / np.where(total == 0, 1, total)[..., None])
+        return merged, np.log(total) + top
