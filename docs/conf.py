@@ -15,6 +15,8 @@ every public method.
 """
 from __future__ import annotations
 
+import importlib.util
+
 import manyheads
 
 project = "manyheads"
@@ -38,6 +40,10 @@ myst_heading_anchors = 3
 autodoc_member_order = "bysource"
 autodoc_typehints = "none"          # the numpydoc sections give the types, with shapes
 autodoc_default_options = {"members": True}
+# manyheads.torch and manyheads.transformers import torch and transformers: with the docs
+# extra alone, autodoc reads them against stand-ins for the packages that are missing
+autodoc_mock_imports = [name for name in ("torch", "transformers")
+                        if importlib.util.find_spec(name) is None]
 
 # every cross-reference must resolve: a renamed or misspelt target fails the build
 nitpicky = True

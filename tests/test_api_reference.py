@@ -10,6 +10,7 @@ class the package exports must be among them.  A method inherited from another
 exported class counts when that class documents it.
 """
 import importlib
+import importlib.util
 import inspect
 import json
 import subprocess
@@ -22,8 +23,11 @@ import pytest
 
 DOCS = Path(__file__).resolve().parent.parent / "docs"
 
-# modules whose __all__ is the public surface the reference documents
-PUBLIC_MODULES = ["manyheads", "manyheads.models", "manyheads.cache", "manyheads.interop"]
+# modules whose __all__ is the public surface the reference documents (the torch and
+# transformers front ends when those packages are installed)
+PUBLIC_MODULES = ["manyheads", "manyheads.models", "manyheads.cache", "manyheads.interop"] + [
+    f"manyheads.{name}" for name in ("torch", "transformers")
+    if importlib.util.find_spec(name) is not None]
 
 BUILD = textwrap.dedent("""
     import io, json, sys

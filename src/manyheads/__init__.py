@@ -23,7 +23,10 @@ Layout (who owns what):
 * ``csrc/`` (C) - the arithmetic: one kernel source instantiated per ISA,
   the run-time dispatcher, the scratch plan and the exp constants;
 * ``_config`` - kernel path and threads; ``interop`` - weights from PyTorch
-  modules; ``models`` - whole models on top of the modules.
+  modules; ``models`` - whole models on top of the modules;
+* ``torch`` - the kernels on torch tensors, a ``torch.library`` operator;
+  ``transformers`` - ``attn_implementation="manyheads"``.  Both import
+  torch when they are imported; ``import manyheads`` never does.
 """
 import os as _os
 

@@ -1,0 +1,336 @@
+"""The attention kernels on PyTorch tensors (named after ``safetensors.torch``).
+
+:func:`scaled_dot_product_attention` takes CPU tensors and returns tensors,
+with the semantics of :func:`manyheads.scaled_dot_product_attention` (and so
+of ``torch.nn.functional.scaled_dot_product_attention``).  Nothing is copied
+on the way: each tensor is handed to the kernels as a NumPy view of its own
+memory (bfloat16 through a 16-bit integer view, since NumPy has no bfloat16 of
+its own), strides included, and the output the kernels write is the tensor
+returned.
+
+The function is also a ``torch.library`` operator,
+``torch.ops.manyheads.scaled_dot_product_attention`` (and ``..._lse``, which
+also returns the log-sum-exp), with a fake implementation that gives the
+output's shape, dtype and strides without computing anything.  The Python
+function calls the kernels directly in eager mode, where the dispatcher would
+only add time, and goes through the operator whenever PyTorch is tracing
+(``torch.compile``, ``torch.export``, ``torch.jit.trace``) or the inputs are
+meta tensors or tensor subclasses (fake, functional tensors).
+
+There is no backward pass: a call that would need one (grad mode on and an
+input that requires grad) raises ``NotImplementedError`` before anything runs.
+Call it under ``torch.no_grad()`` or ``torch.inference_mode()``.
+
+Importing this module imports torch; ``import manyheads`` does not.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch as _torch
+
+from . import _core, functional
+
+# torch's own annotations are partial (untyped decorators and library calls): it is used
+# untyped here, as the rest of the package uses foreign objects
+torch: Any = _torch
+
+__all__ = ["scaled_dot_product_attention", "SUPPORTED_DTYPES"]
+
+#: The tensor dtypes the kernels take (all of query, key and value share one).
+SUPPORTED_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+_DTYPES_TEXT = "torch.float32, torch.float64, torch.float16 or torch.bfloat16"
+
+_ml_dtypes: Any = None
+
+
+def _bfloat16() -> Any:
+    """NumPy's bfloat16 (ml_dtypes), imported when the first bfloat16 tensor arrives."""
+    global _ml_dtypes
+    if _ml_dtypes is None:
+        try:
+            import ml_dtypes
+        except ImportError:
+            raise ImportError("bfloat16 tensors need the ml_dtypes package: "
+                              "pip install ml_dtypes") from None
+        _ml_dtypes = ml_dtypes
+    return _ml_dtypes.bfloat16
+
+
+def _array(t: Any) -> np.ndarray:
+    """A NumPy view of CPU tensor ``t``'s memory, with its shape and strides (no copy).
+
+    The caller has made sure that no gradient is needed, so a tensor that
+    requires grad is detached (a view too)."""
+    if t.requires_grad:
+        t = t.detach()
+    if t.dtype == torch.bfloat16:
+        a: np.ndarray = t.view(torch.int16).numpy().view(_bfloat16())
+        return a
+    view: np.ndarray = t.numpy()
+    return view
+
+
+def _tensor(a: np.ndarray) -> Any:
+    """The tensor that owns NumPy array ``a``'s memory (no copy)."""
+    if a.dtype.itemsize == 2 and a.dtype != np.float16:  # bfloat16
+        return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(a)
+
+
+def _check_tensors(query: Any, key: Any, value: Any, optional: tuple[tuple[str, Any], ...]
+                   ) -> None:
+    """TypeError / ValueError for arguments the kernels cannot take as tensors, and
+    NotImplementedError for a call that needs a gradient."""
+    for name, t in (("query", query), ("key", key), ("value", value)) + optional:
+        if t is None:
+            continue
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.device.type != "cpu":
+            raise ValueError(f"{name} is on {t.device}; manyheads runs on the CPU: "
+                             f"move the tensors with .cpu()")
+    if query.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"query has dtype {query.dtype}; supported dtypes are {_DTYPES_TEXT}")
+    if not query.dtype == key.dtype == value.dtype:
+        raise TypeError(f"query, key and value must share one dtype; got {query.dtype}, "
+                        f"{key.dtype}, {value.dtype}")
+    if torch.is_grad_enabled() and (
+            query.requires_grad or key.requires_grad or value.requires_grad
+            or any(t is not None and t.requires_grad for _, t in optional)):
+        raise NotImplementedError(
+            "manyheads.torch has no backward pass, and an input requires grad: call it "
+            "under torch.no_grad() or torch.inference_mode(), or pass detached tensors")
+
+
+def _small_float_array(t: Any) -> np.ndarray:
+    """Per-head values (sinks, ALiBi slopes) as float32/float64 (half ones widened: a
+    copy of a few numbers)."""
+    if t.dtype not in (torch.float32, torch.float64) and t.dtype.is_floating_point:
+        t = t.detach().float()
+    return _array(t)
+
+
+def _forward(query: Any, key: Any, value: Any, attn_mask: Any, dropout_p: float,
+             is_causal: bool, scale: float | None, enable_gqa: bool, softcap: float | None,
+             sinks: Any, alibi_slopes: Any, return_lse: bool, transpose_out: bool,
+             num_threads: int | None) -> Any:
+    """The kernels on tensors: the output tensor, or (output, lse) with ``return_lse``."""
+    _check_tensors(query, key, value,
+                   (("attn_mask", attn_mask), ("sinks", sinks), ("alibi_slopes", alibi_slopes)))
+    q, k, v = _array(query), _array(key), _array(value)
+    mask = None if attn_mask is None else _array(attn_mask)
+    # dropout draws its seed from torch's generator, so torch.manual_seed repeats it
+    seed = int(torch.randint(0, 2**62, ()).item()) if dropout_p > 0 else 0
+    features: dict[str, Any] = {}
+    if softcap is not None:
+        features["softcap"] = softcap
+    if sinks is not None:
+        features["sinks"] = _small_float_array(sinks)
+    if alibi_slopes is not None:
+        features["alibi_slopes"] = _small_float_array(alibi_slopes)
+    if return_lse:
+        features["return_lse"] = True
+    if transpose_out and not features:
+        return _tensor_transposed(q, k, v, mask, dropout_p, is_causal, scale, enable_gqa,
+                                  seed, num_threads, query.dtype)
+    res = functional.scaled_dot_product_attention(
+        q, k, v, mask, dropout_p, is_causal, scale, enable_gqa, seed=seed,
+        num_threads=num_threads, **features)
+    out: np.ndarray = res[0] if return_lse else res
+    result = _tensor(out)
+    if transpose_out:
+        if out.ndim < 3:
+            raise ValueError(f"transpose_out=True needs a head axis (-3) in query, "
+                             f"got shape {tuple(query.shape)}")
+        # the score features reach the kernels through the public function, which
+        # has no out= argument: this call pays one copy into the transposed layout
+        result = result.transpose(-3, -2).contiguous()
+    return (result, _tensor(res[-1])) if return_lse else result
+
+
+def _tensor_transposed(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | None,
+                       dropout_p: float, is_causal: bool, scale: float | None,
+                       enable_gqa: bool, seed: int, num_threads: int | None,
+                       dtype: Any) -> Any:
+    """Attention written by the kernels straight into a (..., L, Hq, Ev) tensor.
+
+    The public NumPy function allocates its output in the (..., Hq, L, Ev)
+    layout; here the arguments get its checks (``functional._checked``) and
+    the core is handed the transposed view of a tensor to write into."""
+    q, k, v, m, p, causal, s, gqa, _, nt, _ = functional._checked(
+        q, k, v, mask, dropout_p, is_causal, scale, enable_gqa, False, num_threads)
+    if q.ndim < 3:
+        raise ValueError(f"transpose_out=True needs a head axis (-3) in query, "
+                         f"got shape {q.shape}")
+    batch = _heads_batch(q.shape, k.shape, v.shape, gqa)
+    L, Ev = q.shape[-2], v.shape[-1]
+    out = torch.empty(batch[:-1] + (L, batch[-1], Ev), dtype=dtype)
+    _core.attention(q, k, v, mask=m, causal_offset=0 if causal else None, scale=s,
+                    dropout_p=p, seed=seed, enable_gqa=gqa, num_threads=nt,
+                    out=_array(out).swapaxes(-3, -2))
+    return out
+
+
+def _heads_batch(q: tuple[int, ...], k: tuple[int, ...], v: tuple[int, ...], gqa: bool
+                 ) -> tuple[int, ...]:
+    """The (..., Hq) batch shape of the output (batch axes broadcast)."""
+    if gqa:
+        return _core.broadcast_shapes("query, key and value", q[:-3], k[:-3], v[:-3]) + (q[-3],)
+    return _core.broadcast_shapes("query, key and value", q[:-2], k[:-2], v[:-2])
+
+
+# ---- the torch.library operators ------------------------------------------------------
+
+_ARGS = ("(Tensor query, Tensor key, Tensor value, Tensor? attn_mask=None, "
+         "float dropout_p=0.0, bool is_causal=False, float? scale=None, "
+         "bool enable_gqa=False, *, float? softcap=None, Tensor? sinks=None, "
+         "Tensor? alibi_slopes=None, bool transpose_out=False, int? num_threads=None)")
+
+_LIB = torch.library.Library("manyheads", "DEF")
+_LIB.define("scaled_dot_product_attention" + _ARGS + " -> Tensor")
+_LIB.define("scaled_dot_product_attention_lse" + _ARGS + " -> (Tensor, Tensor)")
+
+
+def _op_impl(query: Any, key: Any, value: Any, attn_mask: Any = None,
+             dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None,
+             enable_gqa: bool = False, *, softcap: float | None = None, sinks: Any = None,
+             alibi_slopes: Any = None, transpose_out: bool = False,
+             num_threads: int | None = None) -> Any:
+    return _forward(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
+                    softcap, sinks, alibi_slopes, False, transpose_out, num_threads)
+
+
+def _op_lse_impl(query: Any, key: Any, value: Any, attn_mask: Any = None,
+                 dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None,
+                 enable_gqa: bool = False, *, softcap: float | None = None, sinks: Any = None,
+                 alibi_slopes: Any = None, transpose_out: bool = False,
+                 num_threads: int | None = None) -> Any:
+    return _forward(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
+                    softcap, sinks, alibi_slopes, True, transpose_out, num_threads)
+
+
+_LIB.impl("scaled_dot_product_attention", _op_impl, "CPU")
+_LIB.impl("scaled_dot_product_attention_lse", _op_lse_impl, "CPU")
+
+
+def _fake_shapes(query: Any, key: Any, value: Any, enable_gqa: bool, transpose_out: bool
+                 ) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
+    """(output shape, lse shape) of a call, from the input shapes alone."""
+    q, k, v = tuple(query.shape), tuple(key.shape), tuple(value.shape)
+    if enable_gqa:
+        batch = tuple(torch.broadcast_shapes(q[:-3], k[:-3], v[:-3])) + (q[-3],)
+    else:
+        batch = tuple(torch.broadcast_shapes(q[:-2], k[:-2], v[:-2]))
+    L, Ev = q[-2], v[-1]
+    out = batch[:-1] + (L, batch[-1], Ev) if transpose_out else batch + (L, Ev)
+    return out, batch + (L,)
+
+
+def _fake(query: Any, key: Any, value: Any, attn_mask: Any = None, dropout_p: float = 0.0,
+          is_causal: bool = False, scale: float | None = None, enable_gqa: bool = False, *,
+          softcap: float | None = None, sinks: Any = None, alibi_slopes: Any = None,
+          transpose_out: bool = False, num_threads: int | None = None) -> Any:
+    out, _ = _fake_shapes(query, key, value, enable_gqa, transpose_out)
+    return query.new_empty(out)
+
+
+def _fake_lse(query: Any, key: Any, value: Any, attn_mask: Any = None, dropout_p: float = 0.0,
+              is_causal: bool = False, scale: float | None = None, enable_gqa: bool = False, *,
+              softcap: float | None = None, sinks: Any = None, alibi_slopes: Any = None,
+              transpose_out: bool = False, num_threads: int | None = None) -> Any:
+    out, lse = _fake_shapes(query, key, value, enable_gqa, transpose_out)
+    return query.new_empty(out), query.new_empty(lse, dtype=torch.float32)
+
+
+torch.library.register_fake("manyheads::scaled_dot_product_attention", _fake)
+torch.library.register_fake("manyheads::scaled_dot_product_attention_lse", _fake_lse)
+
+
+def _eager(query: Any) -> bool:
+    """True when the kernels can be called directly: PyTorch is not tracing and the
+    query is a plain tensor with data (not a meta, fake, functional or other subclass
+    tensor, which the operator's fake implementation serves)."""
+    return (type(query) is torch.Tensor and not query.is_meta
+            and not torch.compiler.is_compiling() and not torch.jit.is_tracing())
+
+
+def scaled_dot_product_attention(
+    query: Any, key: Any, value: Any, attn_mask: Any = None, dropout_p: float = 0.0,
+    is_causal: bool = False, scale: float | None = None, enable_gqa: bool = False, *,
+    softcap: float | None = None, sinks: Any = None, alibi_slopes: Any = None,
+    return_lse: bool = False, transpose_out: bool = False, num_threads: int | None = None,
+) -> Any:
+    """Scaled dot-product attention on CPU tensors, with PyTorch's semantics.
+
+    The arguments and the result are those of
+    ``torch.nn.functional.scaled_dot_product_attention`` (and of
+    :func:`manyheads.scaled_dot_product_attention`, which computes it): the
+    tensors are read in place and the output tensor is the one the kernels
+    write.
+
+    Parameters
+    ----------
+    query : Tensor, shape (..., Hq, L, E)
+    key : Tensor, shape (..., Hkv, S, E)
+    value : Tensor, shape (..., Hkv, S, Ev)
+        CPU tensors of one dtype: float32, float64, float16 or bfloat16
+        (half precision computes in float32; bfloat16 needs the ``ml_dtypes``
+        package).  Views (transposes, slices) are read through their strides
+        when the last axis is contiguous.
+    attn_mask : Tensor, optional
+        Broadcastable to (..., Hq, L, S).  Boolean: True means the query may
+        attend the key.  Float: added to the scaled scores.
+    dropout_p : float
+        Probability of zeroing each attention weight, applied whenever it is
+        positive (the seed comes from torch's generator).
+    is_causal : bool
+        Query ``i`` sees keys ``0..i`` (top-left alignment).  Not together
+        with ``attn_mask``.
+    scale : float, optional
+        Defaults to ``1 / sqrt(E)``.
+    enable_gqa : bool
+        Each key/value head serves ``Hq // Hkv`` consecutive query heads; the
+        key and value heads are not repeated in memory.
+    softcap, sinks, alibi_slopes, return_lse : keyword-only
+        As in :func:`manyheads.scaled_dot_product_attention`: a soft cap of
+        the scaled scores, one sink logit per query head (Tensor (Hq,)),
+        ALiBi slopes (Tensor (Hq,) or (B, Hq)), and the float32 log-sum-exp
+        (..., Hq, L) as a second result.
+    transpose_out : bool, keyword-only
+        Return the output as (..., L, Hq, Ev), contiguous, instead of
+        (..., Hq, L, Ev): the layout an output projection reads, so
+        ``out.flatten(-2)`` is a view.  The kernels write it directly; there
+        is no transpose copy afterwards.
+    num_threads : int, optional, keyword-only
+        Threads for this call; defaults to :func:`manyheads.get_num_threads`.
+
+    Returns
+    -------
+    out : Tensor, shape (..., Hq, L, Ev), or (..., L, Hq, Ev) with ``transpose_out``
+        In the input dtype.
+    lse : Tensor, shape (..., Hq, L), float32
+        Only with ``return_lse=True``.
+
+    Raises
+    ------
+    NotImplementedError
+        If grad mode is on and an input requires grad: there is no backward pass.
+
+    Notes
+    -----
+    Registered as the operators ``torch.ops.manyheads.scaled_dot_product_attention``
+    and ``torch.ops.manyheads.scaled_dot_product_attention_lse`` (the latter
+    returns ``(out, lse)``), with fake implementations, so that the call can
+    be traced by ``torch.compile``.  A query row that sees no key gives
+    zeros, not NaN as in PyTorch.
+    """
+    if _eager(query):
+        return _forward(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
+                        softcap, sinks, alibi_slopes, return_lse, transpose_out, num_threads)
+    ops = torch.ops.manyheads
+    op = ops.scaled_dot_product_attention_lse if return_lse else ops.scaled_dot_product_attention
+    return op(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
+              softcap=softcap, sinks=sinks, alibi_slopes=alibi_slopes,
+              transpose_out=transpose_out, num_threads=num_threads)

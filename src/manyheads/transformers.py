@@ -1,0 +1,135 @@
+"""``attn_implementation="manyheads"`` for Hugging Face transformers.
+
+After :func:`register`, a model whose attention layers call transformers'
+``AttentionInterface`` (Llama, Mistral, Qwen2, Phi-3, Gemma 2, gpt-oss and
+most decoders of transformers 5) runs its attention on manyheads' kernels::
+
+    import manyheads.transformers
+    name = manyheads.transformers.register()          # "manyheads"
+    model = AutoModelForCausalLM.from_pretrained(path, attn_implementation=name)
+
+How a call looks from here.  transformers hands :func:`attention_forward`
+the query (B, Hq, T, D) and the keys and values (B, Hkv, S, D) after its
+cache has been updated, so they are the cache's own tensors (a dynamic
+cache's concatenation, a static cache's whole buffer) and they are read in
+place; the output (B, T, Hq, D) is written by the kernels in the layout the
+output projection reads.  The masks are transformers' ``sdpa`` masks, which
+is why :func:`register` also registers the ``sdpa`` mask builder under the same
+name: no mask at all (``None``) when the pattern is plain causal attention
+without padding (the kernels then use their causal schedule and never look
+at the keys above the diagonal), or a 4-D boolean mask, True where a query
+may attend, for padding, sliding windows and decoding from a static cache.
+Grouped-query heads are shared by the kernels, not repeated; ``scaling``,
+``dropout``, ``softcap`` (Gemma 2) and ``s_aux`` (gpt-oss sinks) go to the
+kernels.  The sliding window reaches the kernels through the mask that
+transformers builds for the window's layers.
+
+Importing this module imports torch and transformers; ``import manyheads``
+does neither.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import transformers
+from packaging.version import Version
+
+from . import torch as _mh_torch
+
+__all__ = ["register", "attention_forward", "NAME", "MIN_TRANSFORMERS"]
+
+#: The name models are given as ``attn_implementation``.
+NAME = "manyheads"
+
+#: The oldest transformers release this backend works with (its 5.x attention and mask
+#: interfaces, and the keyword arguments the attention layers pass).
+MIN_TRANSFORMERS = "5.0.0"
+
+
+def register() -> str:
+    """Make ``attn_implementation="manyheads"`` available to transformers.
+
+    Registers :func:`attention_forward` with ``transformers.AttentionInterface``
+    and transformers' ``sdpa`` mask builder with
+    ``transformers.AttentionMaskInterface``, both under :data:`NAME`.  Calling
+    it again does no harm.
+
+    Returns
+    -------
+    str
+        The name to pass as ``attn_implementation`` (``"manyheads"``).
+
+    Raises
+    ------
+    ImportError
+        If the installed transformers is older than :data:`MIN_TRANSFORMERS`.
+    """
+    found = transformers.__version__
+    if Version(found) < Version(MIN_TRANSFORMERS):
+        raise ImportError(f"manyheads.transformers needs transformers>={MIN_TRANSFORMERS}, "
+                          f"found {found}")
+    from transformers.masking_utils import sdpa_mask
+
+    transformers.AttentionInterface.register(NAME, attention_forward)
+    transformers.AttentionMaskInterface.register(NAME, sdpa_mask)
+    return NAME
+
+
+def attention_forward(module: Any, query: Any, key: Any, value: Any, attention_mask: Any,
+                      dropout: float = 0.0, scaling: float | None = None,
+                      sliding_window: int | None = None, softcap: float | None = None,
+                      s_aux: Any = None, is_causal: bool | None = None, **kwargs: Any
+                      ) -> tuple[Any, None]:
+    """One attention call of a transformers model, on manyheads' kernels.
+
+    transformers calls it with the arguments below (and others it ignores);
+    it is not meant to be called directly.
+
+    Parameters
+    ----------
+    module : torch.nn.Module
+        The attention layer (its ``is_causal`` attribute is read when
+        ``is_causal`` is not given).
+    query : Tensor, shape (B, Hq, T, D)
+    key, value : Tensor, shape (B, Hkv, S, D)
+        After the cache update; Hq a multiple of Hkv.
+    attention_mask : Tensor or None
+        A 4-D mask broadcastable to (B, Hq, T, S), boolean (True = may
+        attend) or additive; ``None`` means causal attention (top-left
+        aligned) when T > 1 and no mask at all for one query.
+    dropout : float
+        Dropout on the attention weights (0 in eval mode).
+    scaling : float, optional
+        Score scale; defaults to ``1 / sqrt(D)``.
+    sliding_window : int, optional
+        Already in the mask transformers builds for the layer; not used.
+    softcap : float, optional
+        Soft cap of the scaled scores (Gemma 2).
+    s_aux : Tensor, shape (Hq,), optional
+        Attention sinks (gpt-oss).
+    is_causal : bool, optional
+        Overrides ``module.is_causal``.
+
+    Returns
+    -------
+    out : Tensor, shape (B, T, Hq, D), contiguous
+    weights : None
+        Attention weights are not returned.
+    """
+    if kwargs.get("position_bias") is not None:
+        raise NotImplementedError("attn_implementation='manyheads' does not take a "
+                                  "position_bias (T5-style relative attention)")
+    L = query.shape[2]
+    if is_causal is None:
+        is_causal = getattr(module, "is_causal", True)
+    causal = bool(L > 1 and attention_mask is None and is_causal)
+    if causal and key.shape[2] > L:
+        # a static cache's first forward: the keys past the queries are empty slots,
+        # which top-left causal attention never reads; the views make that explicit
+        key, value = key[:, :, :L], value[:, :, :L]
+    elif attention_mask is not None and attention_mask.shape[-1] > key.shape[2]:
+        attention_mask = attention_mask[..., :key.shape[2]]
+    out = _mh_torch.scaled_dot_product_attention(
+        query, key, value, attention_mask, dropout, causal, scaling,
+        query.shape[1] != key.shape[1], softcap=softcap, sinks=s_aux, transpose_out=True)
+    return out, None

@@ -1,0 +1,266 @@
+"""manyheads.torch: the kernels on torch tensors, read and written in place, as a torch.library
+operator that torch.compile traces (runs when torch is installed: the test extra pins it)."""
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+mht = pytest.importorskip("manyheads.torch")
+import manyheads._core as core  # noqa: E402
+
+F = torch.nn.functional
+OPS = torch.ops.manyheads
+
+# half precision computes in float32 and rounds the output once; torch's reference is
+# computed in float32 from the same half inputs, then rounded the same way
+TOLERANCE = {torch.float32: 1e-5, torch.float64: 1e-12, torch.float16: 2e-3,
+             torch.bfloat16: 1.6e-2}
+
+
+def tensors(*shapes, dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(s, generator=g, dtype=torch.float64).to(dtype) for s in shapes]
+
+
+def reference(q, k, v, **kw):
+    """torch's own SDPA, in float32 (float64 stays float64) and rounded to the input dtype."""
+    wide = torch.float64 if q.dtype == torch.float64 else torch.float32
+    out = F.scaled_dot_product_attention(q.to(wide), k.to(wide), v.to(wide), **kw)
+    return out.to(q.dtype)
+
+
+def assert_close(ours, theirs):
+    assert ours.dtype == theirs.dtype and ours.shape == theirs.shape
+    diff = (ours.double() - theirs.double()).abs().max().item()
+    assert diff <= TOLERANCE[ours.dtype], diff
+
+
+@pytest.fixture
+def kernel_reads(monkeypatch):
+    """Every operand the core hands to the kernels, as (address given, address kept): a
+    copy would keep a different address."""
+    seen = []
+    original = core.kernel_ready
+
+    def spy(arr, contiguous_rows=True):
+        kept = original(arr, contiguous_rows)
+        seen.append((arr.ctypes.data, kept.ctypes.data))
+        return kept
+
+    monkeypatch.setattr(core, "kernel_ready", spy)
+    return seen
+
+
+@pytest.fixture
+def kernel_outputs(monkeypatch):
+    """The output array of every core call."""
+    outs = []
+    original = core.attention
+
+    def spy(*args, **kw):
+        res = original(*args, **kw)
+        outs.append(res[0] if isinstance(res, tuple) else res)
+        return res
+
+    monkeypatch.setattr(core, "attention", spy)
+    return outs
+
+
+@pytest.mark.parametrize("dtype", list(TOLERANCE))
+@pytest.mark.parametrize("kw", [{}, {"is_causal": True}, {"scale": 0.3, "enable_gqa": True}],
+                         ids=["plain", "causal", "scale-gqa"])
+def test_equals_torch_sdpa_in_every_dtype(dtype, kw):
+    q, k, v = tensors((2, 4, 17, 16), (2, 2 if kw.get("enable_gqa") else 4, 17, 16),
+                      (2, 2 if kw.get("enable_gqa") else 4, 17, 24), dtype=dtype)
+    out = mht.scaled_dot_product_attention(q, k, v, **kw)
+    assert_close(out, reference(q, k, v, **kw))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_boolean_and_additive_masks_follow_torch(dtype):
+    q, k, v = tensors((2, 4, 9, 16), (2, 4, 13, 16), (2, 4, 13, 16), dtype=dtype)
+    allowed = torch.rand(2, 1, 9, 13, generator=torch.Generator().manual_seed(1)) > 0.3
+    allowed[..., 0] = True  # torch gives NaN for a row that sees no key
+    additive = tensors((9, 13), dtype=dtype, seed=2)[0]
+    for mask in (allowed, additive):
+        out = mht.scaled_dot_product_attention(q, k, v, mask)
+        assert_close(out, reference(q, k, v, attn_mask=mask.to(torch.float32)
+                                    if mask.is_floating_point() else mask))
+
+
+def test_a_row_that_sees_no_key_is_zero_not_nan():
+    q, k, v = tensors((1, 2, 3, 8), (1, 2, 5, 8), (1, 2, 5, 8))
+    mask = torch.ones(3, 5, dtype=torch.bool)
+    mask[1] = False
+    out = mht.scaled_dot_product_attention(q, k, v, mask)
+    assert torch.equal(out[:, :, 1], torch.zeros(1, 2, 8))
+    assert torch.isfinite(out).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_strided_views_of_a_packed_projection_are_read_in_place(dtype, kernel_reads):
+    B, T, H, Hkv, D = 2, 11, 4, 2, 16
+    packed = tensors((B, T, (H + 2 * Hkv) * D), dtype=dtype)[0]
+    q, k, v = packed.split([H * D, Hkv * D, Hkv * D], dim=-1)
+    q, k, v = (x.unflatten(-1, (-1, D)).transpose(1, 2) for x in (q, k, v))
+    assert not q.is_contiguous() and not k.is_contiguous()
+    out = mht.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    expected = reference(q.contiguous(), k.contiguous(), v.contiguous(), is_causal=True,
+                         enable_gqa=True)
+    assert_close(out, expected)
+    given = {a for a, _ in kernel_reads}
+    assert all(a == kept for a, kept in kernel_reads), "an operand was copied"
+    assert {q.data_ptr(), k.data_ptr(), v.data_ptr()} <= given
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_output_is_the_memory_the_kernels_wrote(dtype, kernel_outputs):
+    q, k, v = tensors((1, 3, 5, 8), (1, 3, 5, 8), (1, 3, 5, 8), dtype=dtype)
+    out = mht.scaled_dot_product_attention(q, k, v)
+    assert out.dtype == dtype
+    assert out.data_ptr() == kernel_outputs[-1].ctypes.data
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_transpose_out_is_written_in_the_token_major_layout(dtype, kernel_outputs):
+    q, k, v = tensors((2, 6, 7, 16), (2, 3, 7, 16), (2, 3, 7, 16), dtype=dtype)
+    out = mht.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True,
+                                           transpose_out=True)
+    assert out.shape == (2, 7, 6, 16) and out.is_contiguous()
+    assert out.data_ptr() == kernel_outputs[-1].ctypes.data  # written there, not moved
+    assert_close(out.transpose(1, 2),
+                 reference(q, k, v, is_causal=True, enable_gqa=True))
+    assert out.flatten(-2).data_ptr() == out.data_ptr()
+
+
+def test_an_expanded_mask_is_read_through_its_zero_strides(kernel_reads):
+    q, k, v = tensors((3, 2, 4, 8), (3, 2, 6, 8), (3, 2, 6, 8))
+    row = torch.tensor([True, True, False, True, True, False])
+    mask = row.expand(3, 1, 4, 6)
+    out = mht.scaled_dot_product_attention(q, k, v, mask)
+    assert_close(out, reference(q, k, v, attn_mask=mask))
+    assert mask.data_ptr() in {a for a, _ in kernel_reads}
+    assert all(a == kept for a, kept in kernel_reads)
+
+
+def test_runs_under_inference_mode():
+    with torch.inference_mode():
+        q, k, v = tensors((1, 2, 5, 8), (1, 2, 5, 8), (1, 2, 5, 8))
+        out = mht.scaled_dot_product_attention(q, k, v, is_causal=True)
+        by_op = OPS.scaled_dot_product_attention(q, k, v, is_causal=True)
+        assert out.is_inference() and torch.equal(out, by_op)
+    assert_close(out, reference(q, k, v, is_causal=True))
+
+
+def test_a_call_that_needs_a_gradient_raises():
+    q, k, v = tensors((1, 2, 5, 8), (1, 2, 5, 8), (1, 2, 5, 8))
+    q.requires_grad_(True)
+    for call in (mht.scaled_dot_product_attention, OPS.scaled_dot_product_attention):
+        with pytest.raises(NotImplementedError, match="no backward pass.*torch.no_grad"):
+            call(q, k, v)
+    with torch.no_grad():  # parameters and other leaves that require grad are fine here
+        out = mht.scaled_dot_product_attention(q, k, v)
+    assert not out.requires_grad
+    assert_close(out, reference(q.detach(), k, v))
+
+
+def test_sinks_that_require_grad_count_as_needing_a_gradient():
+    q, k, v = tensors((1, 2, 5, 8), (1, 2, 5, 8), (1, 2, 5, 8))
+    sinks = torch.zeros(2, requires_grad=True)
+    with pytest.raises(NotImplementedError, match="no backward pass"):
+        mht.scaled_dot_product_attention(q, k, v, sinks=sinks)
+
+
+def test_bad_inputs_get_clear_errors():
+    q, k, v = tensors((1, 2, 5, 8), (1, 2, 5, 8), (1, 2, 5, 8))
+    with pytest.raises(TypeError, match="torch.float32, torch.float64"):
+        mht.scaled_dot_product_attention(q.int(), k.int(), v.int())
+    with pytest.raises(TypeError, match="share one dtype"):
+        mht.scaled_dot_product_attention(q, k.double(), v)
+    with pytest.raises(TypeError, match="key must be a torch.Tensor"):
+        mht.scaled_dot_product_attention(q, k.numpy(), v)
+    with pytest.raises(ValueError, match="either attn_mask or is_causal"):
+        mht.scaled_dot_product_attention(q, k, v, torch.ones(5, 5, dtype=torch.bool),
+                                         is_causal=True)
+    with pytest.raises(ValueError, match="same last dimension"):
+        mht.scaled_dot_product_attention(q, k[..., :4], v)
+    with pytest.raises(ValueError, match="transpose_out=True needs a head axis"):
+        mht.scaled_dot_product_attention(q[0, 0], k[0, 0], v[0, 0], transpose_out=True)
+    with pytest.raises(ValueError, match="on meta"):
+        mht._forward(q.to("meta"), k, v, None, 0.0, False, None, False, None, None, None,
+                     False, False, None)
+
+
+def test_meta_tensors_get_shapes_from_the_fake_implementation():
+    q, k, v = (torch.empty(2, 8, 5, 16, device="meta"), torch.empty(2, 2, 9, 16, device="meta"),
+               torch.empty(2, 2, 9, 32, device="meta"))
+    out = mht.scaled_dot_product_attention(q, k, v, enable_gqa=True, transpose_out=True)
+    assert out.device.type == "meta" and out.shape == (2, 5, 8, 32)
+    out, lse = mht.scaled_dot_product_attention(q, k, v, enable_gqa=True, return_lse=True)
+    assert out.shape == (2, 8, 5, 32) and lse.shape == (2, 8, 5) and lse.dtype == torch.float32
+
+
+def test_dropout_is_seeded_by_torch_generator():
+    q, k, v = tensors((1, 2, 6, 8), (1, 2, 6, 8), (1, 2, 6, 8))
+    torch.manual_seed(7)
+    first = mht.scaled_dot_product_attention(q, k, v, dropout_p=0.5)
+    torch.manual_seed(7)
+    again = mht.scaled_dot_product_attention(q, k, v, dropout_p=0.5)
+    assert torch.equal(first, again)
+    assert not torch.allclose(first, mht.scaled_dot_product_attention(q, k, v))
+
+
+@pytest.mark.parametrize("kw", [{"enable_gqa": True},
+                                {"enable_gqa": True, "transpose_out": True},
+                                {"attn_mask": "bool"}, {"is_causal": True, "scale": 0.5}],
+                         ids=["gqa", "transposed", "mask", "causal"])
+def test_the_operator_passes_torch_library_checks(kw):
+    q, k, v = tensors((2, 4, 6, 8), (2, 2, 6, 8), (2, 2, 6, 8))
+    if not kw.get("enable_gqa"):
+        k, v = k.repeat_interleave(2, dim=1), v.repeat_interleave(2, dim=1)
+    if kw.get("attn_mask") == "bool":
+        kw = {"attn_mask": torch.rand(6, 6, generator=torch.Generator().manual_seed(3)) > 0.2}
+    torch.library.opcheck(OPS.scaled_dot_product_attention.default, (q, k, v), kw)
+
+
+def test_torch_compile_traces_the_operator_in_a_full_graph():
+    graphs = []
+
+    def capture(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    @torch.compile(backend=capture, fullgraph=True, dynamic=False)
+    def layer(x, w):
+        q, k, v = (x @ w).unflatten(-1, (3, 2, 8)).permute(2, 0, 3, 1, 4)
+        return mht.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                                transpose_out=True).flatten(-2)
+
+    x, w = tensors((2, 10, 16), (16, 48))
+    with torch.no_grad():
+        out = layer(x, w)
+        q, k, v = (x @ w).unflatten(-1, (3, 2, 8)).permute(2, 0, 3, 1, 4)
+    assert_close(out, reference(q, k, v, is_causal=True).transpose(1, 2).flatten(-2))
+    called = [n.target for g in graphs for n in g.graph.nodes if n.op == "call_function"]
+    assert OPS.scaled_dot_product_attention in called
+
+
+def test_softcap_sinks_alibi_and_lse_match_a_torch_reference():
+    """Waits for the kernels' score features (softcap, sinks, alibi_slopes, return_lse)."""
+    B, H, L, S, D = 2, 4, 5, 9, 8
+    q, k, v = tensors((B, H, L, D), (B, 2, S, D), (B, 2, S, D))
+    sinks, slopes = tensors((H,), (H,), seed=4)
+    slopes = slopes.abs()
+    cap, scale = 0.8, D ** -0.5
+    out, lse = mht.scaled_dot_product_attention(q, k, v, enable_gqa=True, softcap=cap,
+                                                sinks=sinks, alibi_slopes=slopes,
+                                                return_lse=True)
+    kk, vv = k.repeat_interleave(2, dim=1), v.repeat_interleave(2, dim=1)
+    scores = cap * torch.tanh(q @ kk.transpose(-1, -2) * scale / cap)
+    i, j = torch.arange(L)[:, None], torch.arange(S)[None, :]
+    scores = scores - slopes[:, None, None] * (i + S - L - j).abs()
+    logits = torch.cat([scores, sinks[:, None, None].expand(B, H, L, 1)], dim=-1)
+    expected_lse = torch.logsumexp(logits, dim=-1)
+    weights = torch.softmax(logits, dim=-1)[..., :-1]
+    assert_close(out, weights @ vv)
+    assert lse.dtype == torch.float32 and lse.shape == (B, H, L)
+    assert (lse - expected_lse).abs().max().item() <= 1e-5
