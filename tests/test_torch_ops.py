@@ -187,7 +187,11 @@ def test_bad_inputs_get_clear_errors():
         mht.scaled_dot_product_attention(q[0, 0], k[0, 0], v[0, 0], transpose_out=True)
     with pytest.raises(ValueError, match="on meta"):
         mht._forward(q.to("meta"), k, v, None, 0.0, False, None, False, None, None, None,
-                     False, False, None)
+                     False, False, None, None)
+    with pytest.raises(ValueError, match="window needs is_causal=True"):
+        mht.scaled_dot_product_attention(q, k, v, window=3)
+    with pytest.raises(ValueError, match="window must be"):
+        mht.scaled_dot_product_attention(q, k, v, is_causal=True, window=0)
 
 
 def test_meta_tensors_get_shapes_from_the_fake_implementation():
@@ -264,3 +268,27 @@ def test_softcap_sinks_alibi_and_lse_match_a_torch_reference():
     assert_close(out, weights @ vv)
     assert lse.dtype == torch.float32 and lse.shape == (B, H, L)
     assert (lse - expected_lse).abs().max().item() <= 1e-5
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_sliding_window_equals_torch_with_the_window_mask(dtype, kernel_outputs):
+    """window=W with is_causal: query i sees keys i-W+1..i; torch gets that as a mask.
+    With transpose_out and the score features too (one path for all of them)."""
+    L, W = 40, 7
+    q, k, v = tensors((2, 4, L, 16), (2, 2, L, 16), (2, 2, L, 16), dtype=dtype)
+    i, j = torch.arange(L)[:, None], torch.arange(L)[None, :]
+    band = (j <= i) & (j > i - W)
+    out = mht.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True,
+                                           window=W)
+    assert_close(out, reference(q, k, v, attn_mask=band, enable_gqa=True))
+    sinks = tensors((4,), seed=5)[0]
+    out, lse = mht.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True,
+                                                window=W, sinks=sinks, return_lse=True,
+                                                transpose_out=True)
+    assert out.shape == (2, L, 4, 16) and out.data_ptr() == kernel_outputs[-1].ctypes.data
+    kk, vv = (x.float().repeat_interleave(2, dim=1) for x in (k, v))
+    scores = (q.float() @ kk.transpose(-1, -2) * 16 ** -0.5).masked_fill(~band, -torch.inf)
+    logits = torch.cat([scores, sinks[:, None, None].expand(2, 4, L, 1)], dim=-1)
+    expected = (torch.softmax(logits, dim=-1)[..., :-1] @ vv).to(dtype)
+    assert_close(out.transpose(1, 2), expected)
+    assert (lse - torch.logsumexp(logits, dim=-1)).abs().max().item() <= 1e-4

@@ -191,6 +191,27 @@ def test_plain_causal_prefill_reaches_the_kernels_without_a_mask(name, kernel_ca
         assert kw["out"].shape == (2, 4, PROMPT, 16)
 
 
+def test_sliding_windows_reach_the_kernels_as_a_window_not_a_mask(name, kernel_calls):
+    """Without padding, a sliding layer runs the causal schedule with its window (Gemma 2:
+    sliding and full layers alternate), and a decode step reads the window's keys only."""
+    _, ours = pair("gemma2", name)
+    ids, _ = left_padded_batch()
+    cache = transformers.DynamicCache(config=ours.config)
+    with torch.no_grad():
+        out = ours(ids, use_cache=True, **{CACHE: cache})
+        prefill = list(kernel_calls)
+        del kernel_calls[:]
+        ours(out.logits[:, -1:].argmax(-1), use_cache=True, **{CACHE: cache})
+    windows = [8 if t == "sliding_attention" else None for t in ours.config.layer_types]
+    assert 8 in windows and None in windows
+    assert [kw["window"] for _, _, _, kw in prefill] == windows
+    for _, k, _, kw in prefill:
+        assert kw["mask"] is None and kw["causal_offset"] == 0 and k.shape[2] == PROMPT
+    for (_, k, _, kw), window in zip(kernel_calls, windows):
+        assert kw["mask"] is None and kw["causal_offset"] is None and kw["window"] is None
+        assert k.shape[2] == (PROMPT + 1 if window is None else 8)
+
+
 def test_padding_and_windows_arrive_as_boolean_masks(name, kernel_calls):
     _, ours = pair("mistral", name)
     ids, mask = left_padded_batch()

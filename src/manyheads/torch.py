@@ -31,6 +31,7 @@ import numpy as np
 import torch as _torch
 
 from . import _core, functional
+from ._validate import check_int, check_score_features
 
 # torch's own annotations are partial (untyped decorators and library calls): it is used
 # untyped here, as the rest of the package uses foreign objects
@@ -115,62 +116,45 @@ def _small_float_array(t: Any) -> np.ndarray:
 def _forward(query: Any, key: Any, value: Any, attn_mask: Any, dropout_p: float,
              is_causal: bool, scale: float | None, enable_gqa: bool, softcap: float | None,
              sinks: Any, alibi_slopes: Any, return_lse: bool, transpose_out: bool,
-             num_threads: int | None) -> Any:
-    """The kernels on tensors: the output tensor, or (output, lse) with ``return_lse``."""
+             window: int | None, num_threads: int | None) -> Any:
+    """The kernels on tensors: the output tensor, or (output, lse) with ``return_lse``.
+
+    The arguments get the NumPy function's checks (``functional._checked``),
+    then the core writes the output tensor directly, in the (..., L, Hq, Ev)
+    layout with ``transpose_out``."""
     _check_tensors(query, key, value,
                    (("attn_mask", attn_mask), ("sinks", sinks), ("alibi_slopes", alibi_slopes)))
-    q, k, v = _array(query), _array(key), _array(value)
-    mask = None if attn_mask is None else _array(attn_mask)
+    q, k, v, mask, p, causal, s, gqa, _, nt, _ = functional._checked(
+        _array(query), _array(key), _array(value),
+        None if attn_mask is None else _array(attn_mask), dropout_p, is_causal, scale,
+        enable_gqa, False, num_threads)
+    features = None
+    if softcap is not None or sinks is not None or alibi_slopes is not None or return_lse:
+        features = check_score_features(
+            q, softcap, None if sinks is None else _small_float_array(sinks),
+            None if alibi_slopes is None else _small_float_array(alibi_slopes), return_lse)
+    if window is not None:
+        window = check_int(window, "window", 1)
+        if not causal:
+            raise ValueError("window needs is_causal=True (a sliding window of the causal "
+                             "mask)")
     # dropout draws its seed from torch's generator, so torch.manual_seed repeats it
-    seed = int(torch.randint(0, 2**62, ()).item()) if dropout_p > 0 else 0
-    features: dict[str, Any] = {}
-    if softcap is not None:
-        features["softcap"] = softcap
-    if sinks is not None:
-        features["sinks"] = _small_float_array(sinks)
-    if alibi_slopes is not None:
-        features["alibi_slopes"] = _small_float_array(alibi_slopes)
-    if return_lse:
-        features["return_lse"] = True
-    if transpose_out and not features:
-        return _tensor_transposed(q, k, v, mask, dropout_p, is_causal, scale, enable_gqa,
-                                  seed, num_threads, query.dtype)
-    res = functional.scaled_dot_product_attention(
-        q, k, v, mask, dropout_p, is_causal, scale, enable_gqa, seed=seed,
-        num_threads=num_threads, **features)
-    out: np.ndarray = res[0] if return_lse else res
-    result = _tensor(out)
+    seed = int(torch.randint(0, 2**62, ()).item()) if p > 0 else 0
+    result = out = None
     if transpose_out:
-        if out.ndim < 3:
+        if q.ndim < 3:
             raise ValueError(f"transpose_out=True needs a head axis (-3) in query, "
                              f"got shape {tuple(query.shape)}")
-        # the score features reach the kernels through the public function, which
-        # has no out= argument: this call pays one copy into the transposed layout
-        result = result.transpose(-3, -2).contiguous()
-    return (result, _tensor(res[-1])) if return_lse else result
-
-
-def _tensor_transposed(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | None,
-                       dropout_p: float, is_causal: bool, scale: float | None,
-                       enable_gqa: bool, seed: int, num_threads: int | None,
-                       dtype: Any) -> Any:
-    """Attention written by the kernels straight into a (..., L, Hq, Ev) tensor.
-
-    The public NumPy function allocates its output in the (..., Hq, L, Ev)
-    layout; here the arguments get its checks (``functional._checked``) and
-    the core is handed the transposed view of a tensor to write into."""
-    q, k, v, m, p, causal, s, gqa, _, nt, _ = functional._checked(
-        q, k, v, mask, dropout_p, is_causal, scale, enable_gqa, False, num_threads)
-    if q.ndim < 3:
-        raise ValueError(f"transpose_out=True needs a head axis (-3) in query, "
-                         f"got shape {q.shape}")
-    batch = _heads_batch(q.shape, k.shape, v.shape, gqa)
-    L, Ev = q.shape[-2], v.shape[-1]
-    out = torch.empty(batch[:-1] + (L, batch[-1], Ev), dtype=dtype)
-    _core.attention(q, k, v, mask=m, causal_offset=0 if causal else None, scale=s,
-                    dropout_p=p, seed=seed, enable_gqa=gqa, num_threads=nt,
-                    out=_array(out).swapaxes(-3, -2))
-    return out
+        batch = _heads_batch(q.shape, k.shape, v.shape, gqa)
+        result = torch.empty(batch[:-1] + (q.shape[-2], batch[-1], v.shape[-1]),
+                             dtype=query.dtype)
+        out = _array(result).swapaxes(-3, -2)
+    res = _core.attention(q, k, v, mask=mask, causal_offset=0 if causal else None,
+                          window=window, scale=s, dropout_p=p, seed=seed, enable_gqa=gqa,
+                          num_threads=nt, out=out, features=features)
+    if result is None:
+        result = _tensor(res[0] if return_lse else res)
+    return (result, torch.from_numpy(res[1])) if return_lse else result
 
 
 def _heads_batch(q: tuple[int, ...], k: tuple[int, ...], v: tuple[int, ...], gqa: bool
@@ -186,7 +170,8 @@ def _heads_batch(q: tuple[int, ...], k: tuple[int, ...], v: tuple[int, ...], gqa
 _ARGS = ("(Tensor query, Tensor key, Tensor value, Tensor? attn_mask=None, "
          "float dropout_p=0.0, bool is_causal=False, float? scale=None, "
          "bool enable_gqa=False, *, float? softcap=None, Tensor? sinks=None, "
-         "Tensor? alibi_slopes=None, bool transpose_out=False, int? num_threads=None)")
+         "Tensor? alibi_slopes=None, int? window=None, bool transpose_out=False, "
+         "int? num_threads=None)")
 
 _LIB = torch.library.Library("manyheads", "DEF")
 _LIB.define("scaled_dot_product_attention" + _ARGS + " -> Tensor")
@@ -196,19 +181,19 @@ _LIB.define("scaled_dot_product_attention_lse" + _ARGS + " -> (Tensor, Tensor)")
 def _op_impl(query: Any, key: Any, value: Any, attn_mask: Any = None,
              dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None,
              enable_gqa: bool = False, *, softcap: float | None = None, sinks: Any = None,
-             alibi_slopes: Any = None, transpose_out: bool = False,
-             num_threads: int | None = None) -> Any:
+             alibi_slopes: Any = None, window: int | None = None,
+             transpose_out: bool = False, num_threads: int | None = None) -> Any:
     return _forward(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
-                    softcap, sinks, alibi_slopes, False, transpose_out, num_threads)
+                    softcap, sinks, alibi_slopes, False, transpose_out, window, num_threads)
 
 
 def _op_lse_impl(query: Any, key: Any, value: Any, attn_mask: Any = None,
                  dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None,
                  enable_gqa: bool = False, *, softcap: float | None = None, sinks: Any = None,
-                 alibi_slopes: Any = None, transpose_out: bool = False,
-                 num_threads: int | None = None) -> Any:
+                 alibi_slopes: Any = None, window: int | None = None,
+                 transpose_out: bool = False, num_threads: int | None = None) -> Any:
     return _forward(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
-                    softcap, sinks, alibi_slopes, True, transpose_out, num_threads)
+                    softcap, sinks, alibi_slopes, True, transpose_out, window, num_threads)
 
 
 _LIB.impl("scaled_dot_product_attention", _op_impl, "CPU")
@@ -231,7 +216,8 @@ def _fake_shapes(query: Any, key: Any, value: Any, enable_gqa: bool, transpose_o
 def _fake(query: Any, key: Any, value: Any, attn_mask: Any = None, dropout_p: float = 0.0,
           is_causal: bool = False, scale: float | None = None, enable_gqa: bool = False, *,
           softcap: float | None = None, sinks: Any = None, alibi_slopes: Any = None,
-          transpose_out: bool = False, num_threads: int | None = None) -> Any:
+          window: int | None = None, transpose_out: bool = False,
+          num_threads: int | None = None) -> Any:
     out, _ = _fake_shapes(query, key, value, enable_gqa, transpose_out)
     return query.new_empty(out)
 
@@ -239,7 +225,8 @@ def _fake(query: Any, key: Any, value: Any, attn_mask: Any = None, dropout_p: fl
 def _fake_lse(query: Any, key: Any, value: Any, attn_mask: Any = None, dropout_p: float = 0.0,
               is_causal: bool = False, scale: float | None = None, enable_gqa: bool = False, *,
               softcap: float | None = None, sinks: Any = None, alibi_slopes: Any = None,
-              transpose_out: bool = False, num_threads: int | None = None) -> Any:
+              window: int | None = None, transpose_out: bool = False,
+              num_threads: int | None = None) -> Any:
     out, lse = _fake_shapes(query, key, value, enable_gqa, transpose_out)
     return query.new_empty(out), query.new_empty(lse, dtype=torch.float32)
 
@@ -260,7 +247,8 @@ def scaled_dot_product_attention(
     query: Any, key: Any, value: Any, attn_mask: Any = None, dropout_p: float = 0.0,
     is_causal: bool = False, scale: float | None = None, enable_gqa: bool = False, *,
     softcap: float | None = None, sinks: Any = None, alibi_slopes: Any = None,
-    return_lse: bool = False, transpose_out: bool = False, num_threads: int | None = None,
+    return_lse: bool = False, window: int | None = None, transpose_out: bool = False,
+    num_threads: int | None = None,
 ) -> Any:
     """Scaled dot-product attention on CPU tensors, with PyTorch's semantics.
 
@@ -298,6 +286,10 @@ def scaled_dot_product_attention(
         the scaled scores, one sink logit per query head (Tensor (Hq,)),
         ALiBi slopes (Tensor (Hq,) or (B, Hq)), and the float32 log-sum-exp
         (..., Hq, L) as a second result.
+    window : int, optional, keyword-only
+        With ``is_causal=True``: query ``i`` sees only the ``window`` keys
+        ``i - window + 1 .. i`` (a sliding window, as in Mistral's and
+        Gemma 2's local layers).  The kernels skip the keys outside it.
     transpose_out : bool, keyword-only
         Return the output as (..., L, Hq, Ev), contiguous, instead of
         (..., Hq, L, Ev): the layout an output projection reads, so
@@ -328,9 +320,10 @@ def scaled_dot_product_attention(
     """
     if _eager(query):
         return _forward(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
-                        softcap, sinks, alibi_slopes, return_lse, transpose_out, num_threads)
+                        softcap, sinks, alibi_slopes, return_lse, transpose_out, window,
+                        num_threads)
     ops = torch.ops.manyheads
     op = ops.scaled_dot_product_attention_lse if return_lse else ops.scaled_dot_product_attention
     return op(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
-              softcap=softcap, sinks=sinks, alibi_slopes=alibi_slopes,
+              softcap=softcap, sinks=sinks, alibi_slopes=alibi_slopes, window=window,
               transpose_out=transpose_out, num_threads=num_threads)

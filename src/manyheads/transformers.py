@@ -13,16 +13,18 @@ the query (B, Hq, T, D) and the keys and values (B, Hkv, S, D) after its
 cache has been updated, so they are the cache's own tensors (a dynamic
 cache's concatenation, a static cache's whole buffer) and they are read in
 place; the output (B, T, Hq, D) is written by the kernels in the layout the
-output projection reads.  The masks are transformers' ``sdpa`` masks, which
-is why :func:`register` also registers the ``sdpa`` mask builder under the same
-name: no mask at all (``None``) when the pattern is plain causal attention
-without padding (the kernels then use their causal schedule and never look
-at the keys above the diagonal), or a 4-D boolean mask, True where a query
-may attend, for padding, sliding windows and decoding from a static cache.
+output projection reads.  The masks come from transformers' ``sdpa`` mask
+builder, registered under the same name by :func:`register` with one
+change: a sliding window alone does not make it build a mask.  So the mask
+is ``None`` when the pattern is causal attention without padding, with or
+without the layer's sliding window, and the kernels then use their causal
+schedule with the window (``sliding_window``, as transformers'
+flash-attention backend takes it), never looking at the keys above the
+diagonal or behind the window; otherwise (padding, decoding from a static
+cache) it is a 4-D boolean mask, True where a query may attend.
 Grouped-query heads are shared by the kernels, not repeated; ``scaling``,
 ``dropout``, ``softcap`` (Gemma 2) and ``s_aux`` (gpt-oss sinks) go to the
-kernels.  The sliding window reaches the kernels through the mask that
-transformers builds for the window's layers.
+kernels.
 
 Importing this module imports torch and transformers; ``import manyheads``
 does neither.
@@ -68,11 +70,22 @@ def register() -> str:
     if Version(found) < Version(MIN_TRANSFORMERS):
         raise ImportError(f"manyheads.transformers needs transformers>={MIN_TRANSFORMERS}, "
                           f"found {found}")
+    transformers.AttentionInterface.register(NAME, attention_forward)
+    transformers.AttentionMaskInterface.register(NAME, _mask)
+    return NAME
+
+
+def _mask(*args: Any, local_size: int | None = None, **kwargs: Any) -> Any:
+    """transformers' sdpa mask, or None wherever it would be causal (with the layer's
+    sliding window, which the kernels apply themselves) without padding.
+
+    ``sdpa_mask`` skips the mask for causal patterns only when the layer has
+    no window the keys reach beyond (``local_size``); without ``local_size``
+    it skips it in the same cases for sliding layers too, and still builds the
+    sliding mask wherever a mask is needed."""
     from transformers.masking_utils import sdpa_mask
 
-    transformers.AttentionInterface.register(NAME, attention_forward)
-    transformers.AttentionMaskInterface.register(NAME, sdpa_mask)
-    return NAME
+    return sdpa_mask(*args, **kwargs)
 
 
 def attention_forward(module: Any, query: Any, key: Any, value: Any, attention_mask: Any,
@@ -102,7 +115,9 @@ def attention_forward(module: Any, query: Any, key: Any, value: Any, attention_m
     scaling : float, optional
         Score scale; defaults to ``1 / sqrt(D)``.
     sliding_window : int, optional
-        Already in the mask transformers builds for the layer; not used.
+        The layer's window: each query sees its ``sliding_window`` latest
+        keys.  Applied by the kernels when there is no mask (a mask from
+        transformers already holds it).
     softcap : float, optional
         Soft cap of the scaled scores (Gemma 2).
     s_aux : Tensor, shape (Hq,), optional
@@ -123,13 +138,20 @@ def attention_forward(module: Any, query: Any, key: Any, value: Any, attention_m
     if is_causal is None:
         is_causal = getattr(module, "is_causal", True)
     causal = bool(L > 1 and attention_mask is None and is_causal)
+    window = sliding_window if attention_mask is None and is_causal else None
     if causal and key.shape[2] > L:
         # a static cache's first forward: the keys past the queries are empty slots,
         # which top-left causal attention never reads; the views make that explicit
         key, value = key[:, :, :L], value[:, :, :L]
     elif attention_mask is not None and attention_mask.shape[-1] > key.shape[2]:
         attention_mask = attention_mask[..., :key.shape[2]]
+    if not causal and window is not None:
+        # one query without a mask: the latest key is its own; the window is a view
+        if key.shape[2] > window:
+            key, value = key[:, :, -window:], value[:, :, -window:]
+        window = None
     out = _mh_torch.scaled_dot_product_attention(
         query, key, value, attention_mask, dropout, causal, scaling,
-        query.shape[1] != key.shape[1], softcap=softcap, sinks=s_aux, transpose_out=True)
+        query.shape[1] != key.shape[1], softcap=softcap, sinks=s_aux, window=window,
+        transpose_out=True)
     return out, None
