@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from benchmarks.results import BenchResult, Claim
+from benchmarks.results import BenchResult, Claim, HFModelRow
 
 
 @dataclass(frozen=True)
@@ -38,7 +38,38 @@ CLAIMS: tuple[ClaimSpec, ...] = (
     ClaimSpec("tiny_sdpa", "tiny SDPA (12 heads × 1 query × 16 keys) no slower than torch", 1.0),
     ClaimSpec("openblas", "layer decode step within 1.2× of its time in the run with "
                           "OPENBLAS_NUM_THREADS=1", 1.2, ceiling=True),
+    ClaimSpec("smollm2_attention", "SmolLM2-135M-shaped model, prefill T=4096: time inside "
+                                   "attention ≥ 1.4× \"sdpa\"", 1.4),
+    ClaimSpec("smollm2_model", "SmolLM2-135M-shaped model, prefill T=4096: whole forward "
+                               "≥ 1.1× \"sdpa\"", 1.1),
+    ClaimSpec("smollm2_decode", "SmolLM2-135M-shaped model, decode step at a context of 4096: "
+                                "no slower than \"sdpa\"", 1.0),
+    ClaimSpec("gemma2_attention", "Gemma-2-shaped model (4 layers), prefill T=4096: time "
+                                  "inside attention ≥ 3× \"eager\"", 3.0),
+    ClaimSpec("gemma2_model", "Gemma-2-shaped model (4 layers), prefill T=4096: whole forward "
+                              "≥ 1.25× \"eager\"", 1.25),
 )
+
+
+def _hf_ratios(r: BenchResult) -> dict[str, tuple[float | None, bool | None]]:
+    """The Hugging Face models' claims: baseline time over manyheads' at 4096 tokens."""
+    rows = r.hf_models.rows if r.hf_models else []
+
+    def find(model: str, phase: str) -> HFModelRow | None:
+        return next((x for x in rows if x.model.startswith(model) and x.phase == phase
+                     and x.tokens == 4096), None)
+
+    out: dict[str, tuple[float | None, bool | None]] = {}
+    for key, model, phase in (("smollm2", "SmolLM2", "prefill"), ("gemma2", "Gemma-2", "prefill"),
+                              ("smollm2_decode", "SmolLM2", "decode")):
+        row = find(model, phase)
+        if key.endswith("decode"):
+            out[key] = (row.baseline_s / row.manyheads_s if row else None, None)
+            continue
+        out[key + "_attention"] = (row.baseline_attention_s / row.manyheads_attention_s
+                                   if row else None, None)
+        out[key + "_model"] = (row.baseline_s / row.manyheads_s if row else None, None)
+    return out
 
 
 def _ratios(r: BenchResult) -> dict[str, tuple[float | None, bool | None]]:
@@ -59,6 +90,7 @@ def _ratios(r: BenchResult) -> dict[str, tuple[float | None, bool | None]]:
         "tiny_sdpa": (tiny.torch_us / tiny.manyheads_us
                       if tiny and tiny.torch_us is not None else None, None),
         "openblas": (main.manyheads_us / ob1.manyheads_us if main and ob1 else None, None),
+        **_hf_ratios(r),
     }
 
 
@@ -72,7 +104,8 @@ def judge(spec: ClaimSpec, ratio: float | None, identical: bool | None = None) -
 
 
 def evaluate(r: BenchResult) -> list[Claim]:
-    """Every claim with its measured ratio and whether this run meets it."""
+    """Every claim with its measured ratio and whether this run meets it (one whose section
+    did not run is not measured)."""
     ratios = _ratios(r)
     out = []
     for spec in CLAIMS:

@@ -9,7 +9,8 @@ import os
 
 from benchmarks.peers import LABELS, PEERS, SHORT
 from benchmarks.results import (BenchResult, CacheFormatRow, Checks, DecodeRow, HalfPrefill,
-                                InferenceResult, LayerStep, PrefillRow, to_json)
+                                HFModelsResult, InferenceResult, LayerStep, PrefillRow,
+                                to_json)
 
 #: the rows of the inference tables: (key in the results, label)
 PROCESS_ROWS = (("main", "this process"),
@@ -91,6 +92,8 @@ def format_markdown(r: BenchResult) -> str:
         lines += _low_precision_lines(r, r.cache_formats)
     if r.inference is not None:
         lines += _inference_lines(r.inference)
+    if r.hf_models is not None:
+        lines += _hf_lines(r.hf_models)
     if r.claims:
         lines += _claim_lines(r)
     return "\n".join(lines) + "\n"
@@ -358,9 +361,32 @@ def _generation_lines(inf: InferenceResult) -> list[str]:
     return lines
 
 
+def _hf_lines(hf: HFModelsResult) -> list[str]:
+    lines = ["", "Whole Hugging Face models, random weights, float32, "
+             f"{hf.threads} threads (transformers {hf.transformers or 'not installed'}): "
+             'attn_implementation="manyheads" against transformers\' backend on the same '
+             "weights; seconds per forward and inside the attention function (medians), and "
+             "the ratio baseline / manyheads."]
+    if hf.note:
+        return lines + ["", f"Not measured: {hf.note}."]
+    lines += ["", "| model | call | baseline | forward: manyheads | baseline | ratio | "
+              "attention: manyheads | baseline | ratio | attention's share (baseline) | "
+              "logits max abs diff |", "|:---|:---|:---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for x in hf.rows:
+        call = (f"prefill T={x.tokens}" if x.phase == "prefill"
+                else f"decode step, context {x.tokens}")
+        lines.append(f"| {x.model} | {call} | {x.baseline} | {x.manyheads_s:.3f} | "
+                     f"{x.baseline_s:.3f} | {_ratio(x.baseline_s, x.manyheads_s)} | "
+                     f"{x.manyheads_attention_s:.3f} | {x.baseline_attention_s:.3f} | "
+                     f"{_ratio(x.baseline_attention_s, x.manyheads_attention_s)} | "
+                     f"{100 * x.baseline_attention_s / x.baseline_s:.0f}% | "
+                     f"{x.max_abs_diff:.1e} |")
+    return lines
+
+
 def _claim_lines(r: BenchResult) -> list[str]:
     lines = ["", "Claims a user can check on their own machine, each a ratio measured in this "
-             "run (python benchmarks/run.py --section inference):", "",
+             "run (python benchmarks/run.py --section inference,hf):", "",
              "| claim | measured | |", "|:---|---:|:---|"]
     for c in r.claims:
         met = {True: "met", False: "**not met**", None: "not measured"}[c.met]

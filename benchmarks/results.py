@@ -251,6 +251,35 @@ class InferenceResult:
     children: dict[str, ChildStatus] = field(default_factory=dict)  # by subprocess mode
 
 
+# ----------------------------------------------------------------------------- Hugging Face models
+
+
+@dataclass
+class HFModelRow:
+    """One whole-model call, manyheads' backend against transformers' (seconds, medians):
+    the forward, and the time inside the attention function during it."""
+
+    model: str
+    phase: str  # "prefill" (a forward over `tokens` tokens) or "decode" (one token)
+    tokens: int  # prefill: the tokens in the forward; decode: the context
+    baseline: str  # "sdpa" or "eager"
+    manyheads_s: float
+    baseline_s: float
+    manyheads_attention_s: float
+    baseline_attention_s: float
+    max_abs_diff: float  # the last position's logits, manyheads against the baseline
+
+
+@dataclass
+class HFModelsResult:
+    """The Hugging Face models section (no rows and a note when it could not run)."""
+
+    threads: int
+    transformers: str | None = None
+    note: str | None = None
+    rows: list[HFModelRow] = field(default_factory=list)
+
+
 # ----------------------------------------------------------------------------- the whole run
 
 
@@ -289,6 +318,7 @@ class BenchResult:
     gqa: GroupedQueryDecode | None = None
     half_prefill: HalfPrefill | None = None
     inference: InferenceResult | None = None
+    hf_models: HFModelsResult | None = None
     claims: list[Claim] = field(default_factory=list)
 
 

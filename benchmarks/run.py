@@ -24,12 +24,12 @@ if __package__ in (None, ""):
 import numpy as np  # noqa: E402
 
 import manyheads as mh  # noqa: E402
-from benchmarks import cases, claims, inference, peers, report  # noqa: E402
+from benchmarks import cases, claims, hf_models, inference, peers, report  # noqa: E402
 from benchmarks.results import BenchResult  # noqa: E402
 from benchmarks.timing import Progress, load_average  # noqa: E402
 
 #: the parts of the benchmark, in run order; ``--section`` picks some
-SECTIONS = ("attention", "module", "inference")
+SECTIONS = ("attention", "module", "inference", "hf")
 #: where results go without --out: the folder the README's figures come from
 DEFAULT_OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
@@ -74,6 +74,18 @@ sections (--section, comma-separated; default all):
                  Face's tokens/s with identical tokens, module prefill >= 1.2x
                  torch, tiny SDPA no slower than torch, layer step within 1.2x
                  of the OPENBLAS_NUM_THREADS=1 run.
+  hf           whole Hugging Face models with random weights (needs torch and
+               transformers; a note otherwise), attn_implementation="manyheads"
+               against transformers' own backend on the same weights, the whole
+               forward and the time inside the attention function (each backend
+               timed through the same AttentionInterface wrapper):
+               - SmolLM2-135M's shape: prefill at T = 512, 2048, 4096 and a
+                 decode step at a context of 4096, against "sdpa";
+               - Gemma-2-2B's shape, 4 layers: prefill at T = 4096, against
+                 "eager" (transformers runs Gemma 2's soft cap eagerly);
+               - its claims: SmolLM2 attention >= 1.4x and whole forward >= 1.1x
+                 "sdpa" at T=4096, decode no slower; Gemma 2 attention >= 3x and
+                 whole forward >= 1.25x "eager".
 
 The machine's 1-minute load average is recorded at the start and the end: on
 a busy machine every figure moves, and not evenly.
@@ -136,6 +148,7 @@ def run(quick: bool = False, repeats: int = 7, progress: bool = True,
     if "attention" in parts:
         n_steps += 1 + len(Ts) + len(side) + (0 if quick else 2) + 3
     n_steps += ("module" in parts) + 4 * ("inference" in parts)
+    n_steps += hf_models.steps(quick) if "hf" in parts else 0
     steps = Progress(n_steps, progress)
     res = BenchResult(config=mh.show_config(mode="dicts"), threads=threads,
                       cpu_count=os.cpu_count(), sections=list(parts), peers=versions,
@@ -177,6 +190,9 @@ def run(quick: bool = False, repeats: int = 7, progress: bool = True,
         steps.step("cache formats, GQA, half-precision prefill")
     if "inference" in parts:
         res.inference = inference.inference_section(threads, with_torch, quick, steps.step)
+    if "hf" in parts:
+        res.hf_models = hf_models.hf_models_section(threads, quick, steps.step)
+    if "inference" in parts or "hf" in parts:
         res.claims = claims.evaluate(res)
     res.load_end = load_average()
     return res
@@ -194,7 +210,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="comma-separated peers to include (default: %(default)s)")
     p.add_argument("--section", default="all",
                    help="parts to run, comma-separated: attention, module, inference "
-                        "(inference brings module along), or all (default: %(default)s)")
+                        "(inference brings module along), hf, or all (default: %(default)s)")
     p.add_argument("--no-progress", action="store_true", help="no progress line on stderr")
     return p
 

@@ -23,7 +23,8 @@ if str(REPO) not in sys.path:
 from benchmarks import claims, inference, peers, report, run  # noqa: E402
 from benchmarks.results import (Bandwidth, BenchResult, CacheFormatRow, Checks,  # noqa: E402
                                 ChildStatus, DecodeRow, GenerationRun, GPT2Shape,
-                                GroupedQueryDecode, HalfPrefill, InferenceResult, LayerShape,
+                                GroupedQueryDecode, HalfPrefill, HFModelRow, HFModelsResult,
+                                InferenceResult, LayerShape,
                                 LayerStep, ModuleResult, PrefillRow, TimedBlock, TinySDPA,
                                 TinyShape, from_json, to_json)
 
@@ -75,7 +76,8 @@ def test_sections_parse_and_inference_brings_the_module_along():
     assert run.parse_sections("all") == run.SECTIONS
     assert run.parse_sections("inference") == ("module", "inference")
     assert run.parse_sections(["attention"]) == ("attention",)
-    assert run.parse_sections(" inference , attention ") == run.SECTIONS
+    assert run.parse_sections(" inference , attention ") == ("attention", "module", "inference")
+    assert run.parse_sections("hf") == ("hf",)
     with pytest.raises(ValueError, match="decoding"):
         run.parse_sections("attention,decoding")
 
@@ -363,6 +365,47 @@ def test_inference_report_without_transformers_or_a_child():
     assert "OPENBLAS_NUM_THREADS=1 (torch" not in text  # no row for the failed child
 
 
+def hf_results():
+    r = inference_results()
+    r.sections.append("hf")
+    row = dict(baseline_attention_s=1.0, max_abs_diff=1e-6)
+    r.hf_models = HFModelsResult(threads=2, transformers="5.24.0", rows=[
+        HFModelRow(model="SmolLM2-135M", phase="prefill", tokens=2048, baseline="sdpa",
+                   manyheads_s=1.0, baseline_s=9.0, manyheads_attention_s=0.1, **row),
+        HFModelRow(model="SmolLM2-135M", phase="prefill", tokens=4096, baseline="sdpa",
+                   manyheads_s=2.0, baseline_s=2.4, manyheads_attention_s=0.5, **row),
+        HFModelRow(model="SmolLM2-135M", phase="decode", tokens=4096, baseline="sdpa",
+                   manyheads_s=0.05, baseline_s=0.049, manyheads_attention_s=0.01, **row),
+        HFModelRow(model="Gemma-2-2B, 4 of 26 layers", phase="prefill", tokens=4096,
+                   baseline="eager", manyheads_s=8.0, baseline_s=10.0,
+                   manyheads_attention_s=0.25, **row)])
+    r.claims = claims.evaluate(r)
+    return r
+
+
+def test_hugging_face_claims_read_the_rows_at_4096_tokens():
+    got = {c.key: c for c in hf_results().claims}
+    assert got["smollm2_attention"].ratio == pytest.approx(2.0) and got["smollm2_attention"].met
+    assert got["smollm2_model"].ratio == pytest.approx(1.2) and got["smollm2_model"].met
+    assert got["smollm2_decode"].ratio == pytest.approx(0.98) and not got["smollm2_decode"].met
+    assert got["gemma2_attention"].ratio == pytest.approx(4.0) and got["gemma2_attention"].met
+    assert got["gemma2_model"].ratio == pytest.approx(1.25) and got["gemma2_model"].met
+
+
+def test_hugging_face_report_rows_and_note():
+    r = hf_results()
+    text = report.format_markdown(r)
+    table = rows_starting(text, "| SmolLM2-135M |") + rows_starting(text, "| Gemma-2-2B")
+    assert len(table) == 4
+    assert table[1].startswith("| SmolLM2-135M | prefill T=4096 | sdpa | 2.000 | 2.400 | "
+                               "1.20× | 0.500 | 1.000 | 2.00× | 42% |")
+    assert "decode step, context 4096" in table[2]
+    again = report.format_markdown(from_json(to_json(r)))
+    assert again == text
+    r.hf_models = HFModelsResult(threads=2, note="needs torch and transformers")
+    assert "Not measured: needs torch and transformers." in report.format_markdown(r)
+
+
 def test_markdown_of_a_full_run_keeps_every_section():
     text = report.format_markdown(full_results())
     for part in ("| T |", "| implementation |", "| L |", "| L | cache |", "| process |",
@@ -378,7 +421,10 @@ SPEC = {c.key: c for c in claims.CLAIMS}
 def test_the_claims_and_their_thresholds():
     assert [(c.key, c.threshold, c.ceiling) for c in claims.CLAIMS] == [
         ("layer_decode", 1.5, False), ("generation", 1.3, False),
-        ("module_prefill", 1.2, False), ("tiny_sdpa", 1.0, False), ("openblas", 1.2, True)]
+        ("module_prefill", 1.2, False), ("tiny_sdpa", 1.0, False), ("openblas", 1.2, True),
+        ("smollm2_attention", 1.4, False), ("smollm2_model", 1.1, False),
+        ("smollm2_decode", 1.0, False), ("gemma2_attention", 3.0, False),
+        ("gemma2_model", 1.25, False)]
     for c in claims.CLAIMS:
         assert f"{c.threshold:g}×" in c.text or "no slower" in c.text
 
@@ -410,6 +456,7 @@ def test_claims_are_the_measured_ratios_against_their_thresholds():
     assert got["module_prefill"].ratio == pytest.approx(1.45) and got["module_prefill"].met
     assert got["tiny_sdpa"].ratio == pytest.approx(0.9) and got["tiny_sdpa"].met is False
     assert got["openblas"].ratio == pytest.approx(200 / 190) and got["openblas"].met
+    assert all(got[k].met is None for k in got if k.startswith(("smollm2", "gemma2")))
     slow = {c.key: c for c in inference_results(ob1_us=150.0).claims}
     assert slow["openblas"].met is False
     wrong = {c.key: c for c in inference_results(identical=False).claims}
