@@ -18,3 +18,12 @@ def normal(rng, shape, dtype=np.float64):
 
 def atol_for(dtype):
     return F64_ATOL if np.dtype(dtype) == np.float64 else F32_ATOL
+
+
+def pytest_runtest_setup(item):
+    """A case parametrised with "bfloat16" needs ml_dtypes (NumPy has no bfloat16): where it is
+    not installed (it is an optional dependency; the test extra brings it) the case is
+    skipped with that reason instead of failing on the import."""
+    params = getattr(getattr(item, "callspec", None), "params", {})
+    if "bfloat16" in [v for v in params.values() if isinstance(v, str)]:
+        pytest.importorskip("ml_dtypes", reason="bfloat16 needs ml_dtypes")
