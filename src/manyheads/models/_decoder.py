@@ -1,8 +1,9 @@
 """What every decoder-only model here shares: checked token input, caches, logits, greedy
 generation, the attention weights of one layer, and the repr.
 
-An architecture (``gpt2``, ``llama``, ``qwen2``) supplies the token embedding, its blocks
-and its final norm; each block owns one fused :class:`~manyheads.MultiHeadAttention`, so
+An architecture (``gpt2``, or ``llama`` and the families built on it) supplies the token
+embedding, its blocks and its final norm; each block owns one fused
+:class:`~manyheads.MultiHeadAttention` (or a subclass of it), so
 the attention, its KV cache and the grouped-query sharing are manyheads' own.  Every
 matrix product of the rest of the model runs through :func:`manyheads.linear`, on the
 same threads as the attention.
@@ -87,7 +88,7 @@ class DecoderModel:
     Attributes
     ----------
     model_type : str
-        The checkpoint's ``model_type`` (``"gpt2"``, ``"llama"``, ``"qwen2"``).
+        The checkpoint's ``model_type`` (``"gpt2"``, ``"llama"``, ``"gemma2"``, ...).
     vocab_size, context_length, d_model, num_layers, num_heads, num_kv_heads, head_dim : int
     blocks : list
         One block per layer; ``blocks[i].attn`` is its
