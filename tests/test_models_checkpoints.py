@@ -48,7 +48,8 @@ def test_missing_folder_config_or_weights(tmp_path):
 def test_unsupported_model_type_names_the_supported_ones(llama_dir, tmp_path):
     d = _copy(llama_dir, tmp_path / "bert")
     _edit_config(d, model_type="bert")
-    with pytest.raises(ValueError, match="'bert'.*gpt2, llama, qwen2"):
+    with pytest.raises(ValueError, match="'bert'.*gemma2, gemma3_text, gpt2, llama, mistral, "
+                                         "phi3, qwen2, qwen3"):
         from_pretrained(d)
 
 
@@ -71,8 +72,14 @@ def test_malformed_config_json(llama_dir, tmp_path, text, match):
     ({"vocab_size": None, "hidden_size": 64}, "missing 'vocab_size'"),
     ({"num_key_value_heads": 3}, "not a multiple of num_key_value_heads"),
     ({"rope_theta": -1.0}, "'rope_theta' must be a positive number"),
-    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rotary scaling 'yarn'"),
-    ({"hidden_act": "gelu"}, "hidden_act 'gelu' is not supported"),
+    ({"rope_scaling": {"rope_type": "ntk-by-parts", "factor": 4.0}},
+     "rotary scaling 'ntk-by-parts' is not supported; supported: default, linear, dynamic"),
+    ({"rope_scaling": {"rope_type": "longrope", "short_factor": [1.0] * 8,
+                       "long_factor": [2.0] * 8}}, "rotary scaling 'longrope'.*not supported"),
+    ({"rope_scaling": {"rope_type": "linear"}}, "rotary scaling 'linear' needs 'factor'"),
+    ({"rope_scaling": {"rope_type": "linear", "factor": -2}}, "'factor' must be a positive"),
+    ({"rope_scaling": [1, 2]}, "'rope_scaling' must be an object"),
+    ({"hidden_act": "relu"}, "hidden_act 'relu' is not supported"),
     ({"intermediate_size": 100}, "has shape .* the config implies"),
 ])
 def test_config_values_are_checked(llama_dir, tmp_path, changes, match):

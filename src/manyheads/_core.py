@@ -22,7 +22,7 @@ import numpy as np
 from . import _blas, _formats, _kernels
 from ._validate import ScoreFeatures, dtype_name
 
-__all__ = ["attention", "explain", "CallPlan", "ItemPlan", "linear", "apply_rope", "rope_tables", "kernel_ready"]
+__all__ = ["attention", "explain", "CallPlan", "ItemPlan", "linear", "apply_rope", "rotate", "rope_tables", "kernel_ready"]
 
 
 def kernel_ready(arr: np.ndarray, contiguous_rows: bool = True) -> np.ndarray:
@@ -451,12 +451,18 @@ def apply_rope(x: np.ndarray, theta: float, start: int) -> None:
     query or key columns of a packed projection).
     """
     T, D = x.shape[-2:]
-    half = D // 2
     length = 1 << max(10, (start + T - 1).bit_length())  # tables grow in powers of two
     cos, sin = rope_tables(float(theta), D, length)
-    c, s = cos[start:start + T], sin[start:start + T]
+    rotate(x, cos[start:start + T], sin[start:start + T])
+
+
+def rotate(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> None:
+    """Rotate the first ``2 * n`` features of x (..., T, D) in place by angles whose cos
+    and sin are (T, n) (``rotate_half`` layout within those features; the rest, as with
+    a partial rotary factor, are left as they are)."""
+    half = cos.shape[-1]
     x1, x2 = x[..., :half], x[..., half:2 * half]
-    r1 = x1 * c - x2 * s
-    x2 *= c
-    x2 += x1 * s
+    r1 = x1 * cos - x2 * sin
+    x2 *= cos
+    x2 += x1 * sin
     x1[...] = r1

@@ -6,8 +6,14 @@ imported.  One file per architecture:
 
 * :mod:`manyheads.models.gpt2` - GPT-2 (LayerNorm, GELU MLP, learned positions);
 * :mod:`manyheads.models.llama` - Llama, SmolLM, TinyLlama (RMSNorm, SwiGLU, rotary
-  embeddings, grouped-query attention);
-* :mod:`manyheads.models.qwen2` - Qwen2 and Qwen2.5 (Llama with q/k/v biases).
+  embeddings with linear, dynamic, YaRN or Llama 3 scaling, grouped-query attention);
+  the families below are this decoder with settings read from their configs;
+* :mod:`manyheads.models.mistral` - Mistral (a sliding window in every layer);
+* :mod:`manyheads.models.qwen2` - Qwen2 and Qwen2.5 (Llama with q/k/v biases);
+* :mod:`manyheads.models.qwen3` - Qwen3 (per-head q/k RMSNorm);
+* :mod:`manyheads.models.gemma` - Gemma 2 and Gemma 3 text models (soft caps, norms
+  around attention and MLP, alternating sliding and global layers, GELU-tanh);
+* :mod:`manyheads.models.phi3` - Phi-3 (fused qkv and gate/up projections).
 
 Reading checkpoints needs the ``models`` extra (``safetensors``; ``ml_dtypes`` for
 bfloat16 files; ``tokenizers`` for the ``generate`` command's text prompts).
@@ -19,14 +25,28 @@ from typing import Any
 
 from ._checkpoint import Checkpoint, read_config
 from ._decoder import DecoderModel
+from .gemma import Gemma2, Gemma3
 from .gpt2 import GPT2
 from .llama import Llama
+from .mistral import Mistral
+from .phi3 import Phi3
 from .qwen2 import Qwen2
+from .qwen3 import Qwen3
 
-__all__ = ["from_pretrained", "DecoderModel", "GPT2", "Llama", "Qwen2", "ARCHITECTURES"]
+__all__ = ["from_pretrained", "DecoderModel", "GPT2", "Llama", "Mistral", "Qwen2", "Qwen3",
+           "Gemma2", "Gemma3", "Phi3", "ARCHITECTURES"]
 
 #: model_type of config.json -> the class that runs it
-ARCHITECTURES: dict[str, type[Any]] = {"gpt2": GPT2, "llama": Llama, "qwen2": Qwen2}
+ARCHITECTURES: dict[str, type[Any]] = {
+    "gpt2": GPT2, "llama": Llama, "mistral": Mistral, "qwen2": Qwen2, "qwen3": Qwen3,
+    "gemma2": Gemma2, "gemma3_text": Gemma3, "phi3": Phi3}
+
+#: model_types that are known but not run, and why
+REFUSED = {
+    "gemma3": "a multimodal Gemma 3 checkpoint (vision tower and text model) is not "
+              "supported: manyheads.models runs Gemma 3 text models only (model_type "
+              "'gemma3_text', e.g. google/gemma-3-1b-it)",
+}
 
 
 def from_pretrained(path: str | os.PathLike[str]) -> DecoderModel:
@@ -58,6 +78,8 @@ def from_pretrained(path: str | os.PathLike[str]) -> DecoderModel:
     """
     cfg = read_config(path)
     kind = cfg["model_type"]
+    if kind in REFUSED:
+        raise ValueError(f"model_type {kind!r}: {REFUSED[kind]}")
     if kind not in ARCHITECTURES:
         raise ValueError(f"model_type {kind!r} is not supported; supported: "
                          f"{', '.join(sorted(ARCHITECTURES))}")

@@ -1,8 +1,9 @@
 """What every decoder-only model here shares: checked token input, caches, logits, greedy
 generation, the attention weights of one layer, and the repr.
 
-An architecture (``gpt2``, ``llama``, ``qwen2``) supplies the token embedding, its blocks
-and its final norm; each block owns one fused :class:`~manyheads.MultiHeadAttention`, so
+An architecture (``gpt2``, or ``llama`` and the families built on it) supplies the token
+embedding, its blocks and its final norm; each block owns one fused
+:class:`~manyheads.MultiHeadAttention` (or a subclass of it), so
 the attention, its KV cache and the grouped-query sharing are manyheads' own.  Every
 matrix product of the rest of the model runs through :func:`manyheads.linear`, on the
 same threads as the attention.
@@ -63,7 +64,10 @@ def eos_of(cfg: dict[str, Any]) -> int | None:
 class Block(Protocol):
     """One transformer block: ``attn`` plus whatever surrounds it."""
 
-    attn: MultiHeadAttention
+    @property
+    def attn(self) -> MultiHeadAttention:
+        """The block's attention (a subclass of the fused module for some families)."""
+        ...
 
     def attention_input(self, x: np.ndarray) -> np.ndarray:
         """What the attention of this block reads (the normed residual stream)."""
@@ -84,7 +88,7 @@ class DecoderModel:
     Attributes
     ----------
     model_type : str
-        The checkpoint's ``model_type`` (``"gpt2"``, ``"llama"``, ``"qwen2"``).
+        The checkpoint's ``model_type`` (``"gpt2"``, ``"llama"``, ``"gemma2"``, ...).
     vocab_size, context_length, d_model, num_layers, num_heads, num_kv_heads, head_dim : int
     blocks : list
         One block per layer; ``blocks[i].attn`` is its
@@ -105,6 +109,7 @@ class DecoderModel:
     head: np.ndarray  # (d_model, vocab): the LM head in x @ W form, contiguous
     eos_token_id: int | None = None
     learned_positions = False  # True: _embed reads the tokens' absolute positions
+    final_softcap: float | None = None  # c of the logits' soft cap c tanh(z / c) (Gemma)
 
     def _token_rows(self, table: np.ndarray | None, ids: np.ndarray) -> np.ndarray:
         """Rows ``ids`` of the token embedding ``table``, or with tied embeddings (None)
@@ -249,7 +254,12 @@ class DecoderModel:
         x, _ = self.hidden_states(ids, attention_mask=attention_mask, caches=caches)
         if last_only:
             x = x[:, -1:]
-        return linear(self._final_norm(x), self.head)
+        z = linear(self._final_norm(x), self.head)
+        if self.final_softcap is not None:
+            z /= np.float32(self.final_softcap)
+            np.tanh(z, out=z)
+            z *= np.float32(self.final_softcap)
+        return z
 
     def generate(self, ids: Any, max_new_tokens: int, *, cache_dtype: Any = None,
                  attention_mask: Any = None, eos_token_id: int | None = None,

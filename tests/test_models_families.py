@@ -1,0 +1,274 @@
+"""manyheads.models for every Llama-shaped family against transformers (eager attention):
+Mistral, Qwen3, Gemma 2, Gemma 3 (text), Phi-3, and Llama with each rotary scaling.
+
+Each model is a tiny random one built here and saved with save_pretrained (nothing is
+downloaded).  The configs make each setting matter: heads wider than hidden_size /
+num_heads, sliding windows shorter than the prompts, soft caps small enough to bend
+these random scores, norm weights away from their initial values, positions past
+the original context of the scaled rotary embeddings.  The last tests show that a
+wrong setting would be seen: each one changed in config.json moves the logits.
+"""
+import json
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("safetensors")
+
+from manyheads.models import from_pretrained  # noqa: E402
+from test_models import VOCAB, assert_logits_close, hf_greedy, hf_logits  # noqa: E402
+
+COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+              initializer_range=0.2, tie_word_embeddings=False, rms_norm_eps=1e-5,
+              bos_token_id=None, eos_token_id=None, pad_token_id=None)
+WIDE = dict(head_dim=32)  # 4 heads of 32 = 128, not hidden_size 64
+LLAMA3 = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+              original_max_position_embeddings=32, rope_theta=10000.0)
+YARN = dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=64,
+            rope_theta=10000.0)
+
+CONFIGS = {
+    "mistral": lambda: transformers.MistralConfig(**COMMON, **WIDE, sliding_window=8),
+    "qwen3": lambda: transformers.Qwen3Config(**COMMON, **WIDE, use_sliding_window=True,
+                                              sliding_window=8, max_window_layers=1),
+    "gemma2": lambda: transformers.Gemma2Config(
+        **COMMON, **WIDE, sliding_window=8, attn_logit_softcapping=2.0,
+        final_logit_softcapping=4.0, query_pre_attn_scalar=24),
+    "gemma3": lambda: transformers.Gemma3TextConfig(
+        **COMMON, **WIDE, sliding_window=8, final_logit_softcapping=4.0,
+        query_pre_attn_scalar=24,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0,
+                                            "rope_theta": 1e6},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}),
+    "phi3": lambda: transformers.Phi3Config(**COMMON, sliding_window=8,
+                                            partial_rotary_factor=0.5),
+    "llama-linear": lambda: transformers.LlamaConfig(
+        **COMMON, **WIDE, rope_parameters=dict(rope_type="linear", factor=4.0,
+                                               rope_theta=10000.0)),
+    "llama-llama3": lambda: transformers.LlamaConfig(**COMMON, rope_parameters=dict(LLAMA3)),
+    "llama-yarn": lambda: transformers.LlamaConfig(**COMMON, rope_parameters=dict(YARN)),
+    "llama-dynamic": lambda: transformers.LlamaConfig(
+        **{**COMMON, "max_position_embeddings": 48},
+        rope_parameters=dict(rope_type="dynamic", factor=3.0, rope_theta=10000.0)),
+}
+FAMILIES = list(CONFIGS)
+# Dynamic NTK frequencies follow the length a call reaches: only a whole pass (or
+# transformers' own step-by-step generate) is comparable, not a cached prefill against
+# one full pass.
+STATIC = [f for f in FAMILIES if f != "llama-dynamic"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny models on a busy machine: torch's threads only wait
+    yield
+    torch.set_num_threads(before)
+
+
+def build(family, folder, seed=0, dtype=None):
+    """A random transformers model of ``family`` (eager attention) saved in ``folder``;
+    norm weights are moved off their initial values so that every norm counts."""
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(
+        CONFIGS[family](), attn_implementation="eager").eval()
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(0.2 * torch.randn(p.shape, generator=g))
+    if dtype is not None:
+        model.to(dtype).save_pretrained(folder, safe_serialization=True)
+        return fresh_hf(folder)  # the rounded weights, run in float32
+    model.save_pretrained(folder, safe_serialization=True)
+    return model
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def pair(request, tmp_path_factory):
+    folder = tmp_path_factory.mktemp(request.param)
+    hf = build(request.param, folder)
+    return request.param, folder, hf, from_pretrained(folder)
+
+
+def fresh_hf(folder):
+    """The saved model again: transformers' dynamic rotary module remembers the longest
+    sequence it has seen, so each comparison starts from a new one."""
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        folder, attn_implementation="eager", dtype=torch.float32).eval()
+
+
+def test_each_family_loads_as_its_class(pair):
+    family, _, hf, model = pair
+    expected = {"mistral": "Mistral", "qwen3": "Qwen3", "gemma2": "Gemma2", "gemma3": "Gemma3",
+                "phi3": "Phi3"}.get(family, "Llama")
+    assert type(model).__name__ == expected
+    assert f"{sum(p.numel() for p in hf.parameters()) / 1e6:.2f}M parameters" in repr(model)
+    if family in ("mistral", "qwen3", "gemma2", "gemma3"):
+        assert model.head_dim == 32 and model.blocks[0].attn.W_out.shape == (128, 64)
+    if family in ("mistral", "phi3"):
+        assert [b.attn.window for b in model.blocks] == [8, 8, 8]
+    if family == "qwen3":
+        assert [b.attn.window for b in model.blocks] == [None, 8, 8]
+    if family.startswith("gemma"):
+        assert [b.attn.window for b in model.blocks] == [8, None, 8]
+        assert "soft caps" in repr(model) and "sliding window 8 in 2 of 3 layers" in repr(model)
+
+
+def test_logits_match_transformers(pair):
+    family, folder, hf, model = pair
+    ids = np.random.default_rng(1).integers(0, VOCAB, size=(2, 100))  # past every window
+    ref = hf_logits(fresh_hf(folder) if family == "llama-dynamic" else hf, ids)
+    assert_logits_close(model.logits(ids), ref)
+    if family in STATIC:  # with KV caches: a prefill of 70 tokens, then one at a time
+        caches = model.new_caches(2, 100)
+        parts = [model.logits(ids[:, :70], caches=caches)]
+        parts += [model.logits(ids[:, t:t + 1], caches=caches) for t in range(70, 100)]
+        assert_logits_close(np.concatenate(parts, axis=1), ref)
+
+
+def test_greedy_tokens_match_transformers_generate(pair):
+    family, folder, hf, model = pair
+    prompt = np.random.default_rng(2).integers(0, VOCAB, size=(2, 30))
+    n = 40  # to 70 tokens: past 48 (dynamic's length) and 64 (YaRN's original context)
+    ours = model.generate(prompt, n)
+    ref = hf_greedy(fresh_hf(folder) if family == "llama-dynamic" else hf, prompt, n)
+    np.testing.assert_array_equal(ours, ref)
+    assert len(set(ours[0].tolist())) > 5, "the test model should not repeat itself"
+
+
+def test_left_padded_batch_matches_transformers(pair):
+    family, folder, hf, model = pair
+    hf = fresh_hf(folder) if family == "llama-dynamic" else hf
+    rng = np.random.default_rng(7)
+    prompts = [rng.integers(0, VOCAB, n) for n in (5, 21, 13)]
+    T = max(len(p) for p in prompts)
+    ids = np.zeros((3, T), dtype=np.int64)
+    mask = np.zeros((3, T), dtype=np.int64)
+    for i, p in enumerate(prompts):
+        ids[i, T - len(p):] = p
+        mask[i, T - len(p):] = 1
+    out = model.generate(ids, 15, attention_mask=mask)
+    np.testing.assert_array_equal(out, hf_greedy(hf, ids, 15, mask))
+    for i, p in enumerate(prompts):
+        np.testing.assert_array_equal(out[i], model.generate(p[None], 15)[0])
+    lg = model.logits(ids, attention_mask=mask)
+    for i, p in enumerate(prompts):
+        assert_logits_close(lg[i:i + 1, T - len(p):], hf_logits(hf, p[None]))
+
+
+@pytest.mark.parametrize("family", ["mistral", "qwen3", "gemma2", "gemma3", "phi3",
+                                    "llama-llama3"])
+def test_bfloat16_checkpoint(family, tmp_path):
+    pytest.importorskip("ml_dtypes")
+    hf = build(family, tmp_path, seed=6, dtype=torch.bfloat16)
+    model = from_pretrained(tmp_path)
+    ids = np.random.default_rng(6).integers(0, VOCAB, size=(1, 40))
+    assert_logits_close(model.logits(ids), hf_logits(hf, ids))
+    np.testing.assert_array_equal(model.generate(ids[:, :20], 12), hf_greedy(hf, ids[:, :20], 12))
+
+
+# -- each setting matters: changed in config.json, the logits move away from transformers' --
+CHANGES = [
+    ("mistral", {"sliding_window": None}),
+    ("qwen3", {"use_sliding_window": False}),
+    ("gemma2", {"attn_logit_softcapping": None}),
+    ("gemma2", {"final_logit_softcapping": None}),
+    ("gemma2", {"query_pre_attn_scalar": 32}),
+    ("gemma2", {"layer_types": ["full_attention"] * 3}),
+    ("gemma3", {"rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                                    "sliding_attention": {"rope_type": "default",
+                                                          "rope_theta": 1e4}}}),
+    ("gemma3", {"rope_parameters": {"full_attention": {"rope_type": "linear", "factor": 2.0,
+                                                       "rope_theta": 1e6},
+                                    "sliding_attention": {"rope_type": "default",
+                                                          "rope_theta": 1e6}}}),
+    ("phi3", {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
+                                  "partial_rotary_factor": 1.0}}),
+    ("llama-linear", {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}}),
+    ("llama-llama3", {"rope_parameters": {**LLAMA3, "high_freq_factor": 2.0}}),
+    ("llama-yarn", {"rope_parameters": {**YARN, "beta_slow": 0.25}}),
+    ("llama-yarn", {"rope_parameters": {**YARN, "attention_factor": 1.0}}),
+    ("llama-dynamic", {"rope_parameters": {"rope_type": "dynamic", "factor": 2.5,
+                                           "rope_theta": 10000.0}}),
+]
+
+
+@pytest.mark.parametrize("family, change", CHANGES,
+                         ids=[f"{f}-{next(iter(c))}" for f, c in CHANGES])
+def test_each_setting_changes_the_logits(family, change, tmp_path):
+    hf = build(family, tmp_path, seed=1)
+    ids = np.random.default_rng(3).integers(0, VOCAB, size=(1, 100))
+    ref = hf_logits(hf, ids)
+    assert_logits_close(from_pretrained(tmp_path).logits(ids), ref)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    cfg.update(change)
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    changed = from_pretrained(tmp_path).logits(ids)
+    assert np.abs(changed - ref).max() > 1e-2 * np.abs(ref).max()
+
+
+# -- configs written by transformers 4 (rope_theta, rope_scaling, Gemma 3's
+# rope_local_base_freq and sliding_window_pattern) give the same model --------------------
+LEGACY = {
+    "gemma3": ({"rope_theta": 1e6, "rope_local_base_freq": 1e4, "sliding_window_pattern": 2,
+                "rope_scaling": {"rope_type": "linear", "factor": 2.0}},
+               ["rope_parameters", "layer_types"]),
+    "llama-llama3": ({"rope_theta": 10000.0,
+                      "rope_scaling": {k: v for k, v in LLAMA3.items() if k != "rope_theta"}},
+                     ["rope_parameters"]),
+    "llama-yarn": ({"rope_scaling": {"type": "yarn", "factor": 4.0,
+                                     "original_max_position_embeddings": 64}},
+                   ["rope_parameters"]),
+    "phi3": ({"rope_theta": 10000.0, "partial_rotary_factor": 0.5, "rope_scaling": None},
+             ["rope_parameters"]),
+}
+
+
+@pytest.mark.parametrize("family", list(LEGACY))
+def test_transformers_4_configs(family, tmp_path):
+    hf = build(family, tmp_path, seed=4)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    added, removed = LEGACY[family]
+    for key in removed:
+        cfg.pop(key)
+    cfg.update(added)
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    ids = np.random.default_rng(4).integers(0, VOCAB, size=(1, 100))
+    ref = hf_logits(hf, ids)
+    assert_logits_close(hf_logits(fresh_hf(tmp_path), ids), ref)  # transformers agrees
+    assert_logits_close(from_pretrained(tmp_path).logits(ids), ref)
+
+
+@pytest.fixture(scope="module")
+def gemma3_dir(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("gemma3-bad")
+    build("gemma3", folder, seed=5)
+    return folder
+
+
+@pytest.mark.parametrize("changes, match", [
+    ({"model_type": "gemma3"}, "multimodal Gemma 3.*'gemma3_text'"),
+    ({"layer_types": ["sliding_attention"] * 2}, "'layer_types' must list 3 of"),
+    ({"layer_types": ["sliding_attention", "global", "full_attention"]}, "'layer_types'"),
+    ({"rope_parameters": {"rope_type": "default", "rope_theta": 1e4}},
+     "must be given per layer type"),
+    ({"rope_parameters": {"full_attention": {"rope_type": "longrope"}}},
+     "rotary scaling 'longrope'.*not supported"),
+    ({"final_logit_softcapping": -1.0}, "'final_logit_softcapping' must be a positive"),
+    ({"sliding_window": 0}, "'sliding_window' must be an integer >= 1"),
+    ({"hidden_activation": "relu"}, "hidden_activation 'relu' is not supported"),
+    ({"head_dim": 33}, "partial_rotary_factor 1 of head_dim 33 gives 33 rotated features"),
+])
+def test_bad_family_settings_are_named(gemma3_dir, tmp_path, changes, match):
+    cfg = json.loads((gemma3_dir / "config.json").read_text())
+    cfg.update(changes)
+    for name in ("config.json", "model.safetensors"):
+        data = (gemma3_dir / name).read_bytes()
+        (tmp_path / name).write_bytes(json.dumps(cfg).encode() if name == "config.json" else data)
+    with pytest.raises(ValueError, match=match):
+        from_pretrained(tmp_path)
