@@ -181,11 +181,13 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
-def _load_checkpoint(folder: str) -> tuple[Any, Any]:
-    """(model, tokenizer or None) of a checkpoint folder; the tokenizer is read from
-    ``tokenizer.json`` when there is one."""
+def _load_checkpoint(path: str, revision: str | None = None) -> tuple[Any, Any]:
+    """(model, tokenizer or None) of a checkpoint folder or Hub id; the tokenizer is read
+    from ``tokenizer.json`` when there is one."""
     from manyheads.models import from_pretrained
+    from manyheads.models._hub import resolve_checkpoint
 
+    folder = resolve_checkpoint(path, revision)
     model = from_pretrained(folder)
     # one-time set-up of the first calls (SciPy's BLAS for products of many rows, the
     # thread pool) belongs to loading, not to the prompt's time

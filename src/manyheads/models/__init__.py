@@ -10,7 +10,9 @@ imported.  One file per architecture:
 * :mod:`manyheads.models.qwen2` - Qwen2 and Qwen2.5 (Llama with q/k/v biases).
 
 Reading checkpoints needs the ``models`` extra (``safetensors``; ``ml_dtypes`` for
-bfloat16 files; ``tokenizers`` for the ``generate`` command's text prompts).
+bfloat16 files; ``tokenizers`` for the ``generate`` command's text prompts, ``jinja2`` for
+the ``chat`` command's templates); Hub ids (``org/name``) need the ``hub`` extra
+(``huggingface_hub``).
 """
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ from typing import Any
 
 from ._checkpoint import Checkpoint, read_config
 from ._decoder import DecoderModel
+from ._hub import resolve_checkpoint
 from .gpt2 import GPT2
 from .llama import Llama
 from .qwen2 import Qwen2
@@ -29,16 +32,22 @@ __all__ = ["from_pretrained", "DecoderModel", "GPT2", "Llama", "Qwen2", "ARCHITE
 ARCHITECTURES: dict[str, type[Any]] = {"gpt2": GPT2, "llama": Llama, "qwen2": Qwen2}
 
 
-def from_pretrained(path: str | os.PathLike[str]) -> DecoderModel:
-    """The model of a checkpoint folder, weights in float32.
+def from_pretrained(path: str | os.PathLike[str], *, revision: str | None = None
+                    ) -> DecoderModel:
+    """The model of a checkpoint folder or Hugging Face Hub id, weights in float32.
 
     Parameters
     ----------
     path : str or path-like
         A folder with ``config.json`` and ``model.safetensors`` (or shards listed
         in ``model.safetensors.index.json``), e.g. one written by
-        ``save_pretrained`` or fetched with ``huggingface-cli download``.
+        ``save_pretrained`` or fetched with ``hf download``; or, when no such
+        folder exists, a Hub id ``org/name``, read from the local Hugging Face
+        cache or else downloaded into it (only the files needed), with
+        ``huggingface_hub`` (the ``hub`` extra).
         float16 and bfloat16 weights are widened to float32 as they load.
+    revision : str, optional
+        With a Hub id: the branch, tag or commit hash (default: ``main``).
 
     Returns
     -------
@@ -54,8 +63,12 @@ def from_pretrained(path: str | os.PathLike[str]) -> DecoderModel:
         An unsupported ``model_type`` or setting, a malformed config.json, or
         weights that do not match the config.
     ImportError
-        ``safetensors`` (or ``ml_dtypes`` for bfloat16) is not installed.
+        ``safetensors`` (or ``ml_dtypes`` for bfloat16) is not installed, or a
+        Hub id is given without ``huggingface_hub``.
+    OSError
+        A Hub id that is neither cached nor downloadable.
     """
+    path = resolve_checkpoint(path, revision)
     cfg = read_config(path)
     kind = cfg["model_type"]
     if kind not in ARCHITECTURES:
