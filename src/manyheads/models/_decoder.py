@@ -267,9 +267,9 @@ class DecoderModel:
 
         The next-token choice follows Hugging Face transformers' ``generate``: the
         repetition penalty, then (with ``do_sample``) temperature, top-k, top-p and
-        min-p, in that order, then the argmax or a draw (details in
-        :mod:`manyheads.models._sampling`).  Every argument is checked before
-        anything runs.
+        min-p, in that order, then the argmax or a draw (the models guide's
+        *Sampling* section has the details, ties included).  Every argument is
+        checked before anything runs.
 
         Parameters
         ----------
