@@ -1,5 +1,5 @@
-"""``python -m manyheads``: a demo on built-in defaults, ``bench``, ``info``, ``show``
-and ``generate``.
+"""``python -m manyheads``: a demo on built-in defaults, ``bench``, ``info``, ``show``,
+``generate`` and ``chat``.
 
     python -m manyheads            # demo: a 768-wide, 12-head layer on built-in text
     python -m manyheads bench      # in a source checkout: python benchmarks/run.py
@@ -7,6 +7,8 @@ and ``generate``.
     python -m manyheads show --text "..." --out patterns.png   # every head's pattern
     python -m manyheads show --model DIR --layer 5 --text "..."  # a checkpoint's layer
     python -m manyheads generate --model DIR --prompt "..."    # greedy text, streamed
+    python -m manyheads generate --model org/name --prompt "..." --do-sample --top-p 0.9
+    python -m manyheads chat --model DIR                       # the chat template, stdin
 """
 from __future__ import annotations
 
@@ -181,11 +183,13 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
-def _load_checkpoint(folder: str) -> tuple[Any, Any]:
-    """(model, tokenizer or None) of a checkpoint folder; the tokenizer is read from
-    ``tokenizer.json`` when there is one."""
+def _load_checkpoint(path: str, revision: str | None = None) -> tuple[Any, Any, str]:
+    """(model, tokenizer or None, folder) of a checkpoint folder or Hub id; the tokenizer
+    is read from ``tokenizer.json`` when there is one."""
     from manyheads.models import from_pretrained
+    from manyheads.models._hub import resolve_checkpoint
 
+    folder = resolve_checkpoint(path, revision)
     model = from_pretrained(folder)
     # one-time set-up of the first calls (SciPy's BLAS for products of many rows, the
     # thread pool) belongs to loading, not to the prompt's time
@@ -196,7 +200,7 @@ def _load_checkpoint(folder: str) -> tuple[Any, Any]:
         from manyheads.models._checkpoint import require_package
 
         tok = require_package("tokenizers", "reading tokenizer.json").Tokenizer.from_file(tok_path)
-    return model, tok
+    return model, tok, folder
 
 
 def _encode(tok: Any, text: str) -> list[int]:
@@ -236,7 +240,7 @@ def _token_labels(tok: Any, ids: list[int]) -> list[str]:
 
 def _show_checkpoint(args: argparse.Namespace) -> int:
     try:
-        model, tok = _load_checkpoint(args.model)
+        model, tok, _ = _load_checkpoint(args.model, args.revision)
         ids = _encode(tok, args.text)
         if len(ids) < 2:
             raise ValueError(f"show needs at least two tokens, the text has {len(ids)}")
@@ -294,14 +298,77 @@ def cmd_show(args: argparse.Namespace) -> int:
     return _draw(args, w, tokens, tokens, f"{len(tokens)} tokens, {w.shape[0]} heads")
 
 
+SAMPLING_FLAGS = {"temperature": "--temperature", "top_k": "--top-k", "top_p": "--top-p",
+                  "min_p": "--min-p", "seed": "--seed"}
+
+
+def _sampling_kwargs(args: argparse.Namespace, model: Any, tok: Any) -> dict[str, Any]:
+    """generate's sampling and stop arguments from the flags, checked (ValueError)."""
+    from manyheads.models._sampling import check_sampling, check_stop
+
+    given = [flag for name, flag in SAMPLING_FLAGS.items() if getattr(args, name) is not None]
+    if given and not args.do_sample:
+        raise ValueError(f"{', '.join(given)} apply to sampling: add --do-sample")
+    kw: dict[str, Any] = {name: getattr(args, name) for name in SAMPLING_FLAGS
+                          if getattr(args, name) is not None}
+    kw.update(do_sample=args.do_sample, repetition_penalty=args.repetition_penalty)
+    check_sampling(**{k: v for k, v in kw.items() if k != "seed"})
+    if args.stop:
+        # strings with a tokenizer; a checkpoint without one stops at token ids
+        stop: list[Any] = list(args.stop)
+        if tok is None:
+            try:
+                stop = [int(t) for t in stop]
+            except ValueError:
+                raise ValueError("this checkpoint has no tokenizer.json: --stop takes token "
+                                 f"ids (got {args.stop!r})") from None
+        check_stop(stop, tok, model.vocab_size)
+        kw.update(stop=stop, tokenizer=tok, pad_token_id=0)  # one row: the filler never shows
+    return kw
+
+
+class _Stream:
+    """Writes a row's new tokens as they come: their text, decoded with what came before
+    (so that a word split into pieces reads right), or their ids without a tokenizer."""
+
+    def __init__(self, tok: Any, ids: list[int], out: Any, hide: Sequence[int] = ()) -> None:
+        self.tok, self.ids, self.out, self.hide = tok, ids, out, set(hide)
+        self.new: list[int] = []
+        self.stamps: list[float] = []
+        self.shown = ""
+        # the text shown is the tokenizer's decoding without special tokens (BOS, EOS)
+        self.prompt_text = "" if tok is None else tok.decode(ids, skip_special_tokens=True)
+
+    def __call__(self, step: int, tokens: np.ndarray) -> None:
+        self.stamps.append(time.perf_counter())
+        t = int(tokens[0])
+        if t in self.hide:  # a reply's end
+            return
+        self.new.append(t)
+        if self.tok is None:
+            self.out.write(f" {t}")
+        else:
+            text = self.tok.decode(self.ids + self.new, skip_special_tokens=True)
+            # the new text is what follows the prompt's decoding; a tokenizer that
+            # rewrites the prompt's text once more tokens follow gets the new tokens
+            # decoded on their own
+            text = text[len(self.prompt_text):] if text.startswith(self.prompt_text) else \
+                self.tok.decode(self.new, skip_special_tokens=True)
+            if not text.endswith("\ufffd"):  # wait for the rest of a multi-byte character
+                self.out.write(text[len(self.shown):])
+                self.shown = text
+        self.out.flush()
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     try:
         t0 = time.perf_counter()
-        model, tok = _load_checkpoint(args.model)
+        model, tok, _ = _load_checkpoint(args.model, args.revision)
         load_s = time.perf_counter() - t0
         ids = _encode(tok, args.prompt)
         n = args.max_new_tokens
         _check_prompt(model, ids, n)  # before anything is printed
+        kw = _sampling_kwargs(args, model, tok)
         # the storage name goes to KVCache as it is; it checks it and names what it accepts
         caches = model.new_caches(1, len(ids) + n, args.cache_dtype) if n else []
     except (OSError, ValueError, TypeError, ImportError) as exc:
@@ -310,41 +377,20 @@ def cmd_generate(args: argparse.Namespace) -> int:
     print(f"{model}\nloaded in {load_s:.2f} s; kernel path {mh.kernel_isa()}, "
           f"{mh.get_num_threads()} threads; prompt {len(ids)} tokens", file=sys.stderr)
     eos = None if args.ignore_eos else model.eos_token_id
-    new: list[int] = []
-    shown = [""]
-    stamps: list[float] = []
-    # the text shown is the tokenizer's decoding without special tokens (BOS, EOS)
-    prompt_text = "" if tok is None else tok.decode(ids, skip_special_tokens=True)
     out = sys.stdout
-    out.write(args.prompt if tok is None else prompt_text)
+    stream = _Stream(tok, ids, out)
+    out.write(args.prompt if tok is None else stream.prompt_text)
     out.flush()
-
-    def on_token(step: int, tokens: np.ndarray) -> None:
-        stamps.append(time.perf_counter())
-        t = int(tokens[0])
-        new.append(t)
-        if tok is None:
-            out.write(f" {t}")
-        else:
-            text = tok.decode(ids + new, skip_special_tokens=True)
-            # the new text is what follows the prompt's decoding (so that a word split
-            # into pieces reads right); a tokenizer that rewrites the prompt's text once
-            # more tokens follow gets the new tokens decoded on their own
-            text = text[len(prompt_text):] if text.startswith(prompt_text) else \
-                tok.decode(new, skip_special_tokens=True)
-            if not text.endswith("\ufffd"):  # wait for the rest of a multi-byte character
-                out.write(text[len(shown[0]):])
-                shown[0] = text
-        out.flush()
-
     start = time.perf_counter()
     try:
-        model.generate(np.array([ids]), n, eos_token_id=eos, callback=on_token, caches=caches)
+        model.generate(np.array([ids]), n, eos_token_id=eos, callback=stream, caches=caches,
+                       **kw)
     except (ValueError, TypeError) as exc:
         print(f"\nerror: {exc}", file=sys.stderr)
         return 2
     out.write("\n")
     out.flush()
+    stamps = stream.stamps
     if stamps:
         first = stamps[0] - start
         rest = stamps[-1] - stamps[0]
@@ -353,9 +399,61 @@ def cmd_generate(args: argparse.Namespace) -> int:
         total = len(stamps) / (stamps[-1] - start)
         nbytes = sum(c.nbytes for c in caches)
         print(f"prompt: {len(ids)} tokens in {first * 1e3:.1f} ms (to the first new token); "
-              f"generated {len(new)} tokens: {rate} after the first, {total:.1f} tokens/s "
-              f"overall; KV cache {nbytes} bytes ({nbytes / 2**20:.2f} MiB, "
+              f"generated {len(stream.new)} tokens: {rate} after the first, {total:.1f} "
+              f"tokens/s overall; KV cache {nbytes} bytes ({nbytes / 2**20:.2f} MiB, "
               f"{getattr(caches[0].dtype, 'name', caches[0].dtype)})", file=sys.stderr)
+    return 0
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    """A conversation on stdin, one user message per line, each reply streamed to stdout
+    (the whole conversation, rendered by the chat template, is the prompt of each reply)."""
+    from manyheads.models._chat import chat_template, end_token_ids, render_chat, special_tokens
+
+    try:
+        model, tok, folder = _load_checkpoint(args.model, args.revision)
+        if tok is None:
+            raise ValueError(f"chat needs the checkpoint's tokenizer.json ({args.model!r} has "
+                             "none)")
+        template = chat_template(folder)
+        specials = special_tokens(folder)
+        ends = end_token_ids(folder, model.eos_token_id, tok)
+        kw = _sampling_kwargs(args, model, tok)
+        if args.max_new_tokens < 1:
+            raise ValueError(f"--max-new-tokens must be 1 or more, got {args.max_new_tokens}")
+        messages: list[dict[str, str]] = []
+        if args.system:
+            messages.append({"role": "system", "content": args.system})
+        render_chat(template, messages, add_generation_prompt=True, **specials)  # fails early
+    except (OSError, ValueError, TypeError, ImportError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(f"{model}\nchat: one message a line; end with Ctrl-D", file=sys.stderr)
+    out = sys.stdout
+    for line in sys.stdin:
+        text = line.rstrip("\n")
+        if not text.strip():
+            continue
+        messages.append({"role": "user", "content": text})
+        try:
+            prompt = render_chat(template, messages, add_generation_prompt=True, **specials)
+            # the template writes the special tokens (BOS and the like) itself
+            ids = list(tok.encode(prompt, add_special_tokens=False).ids)
+            n = min(args.max_new_tokens, model.context_length - len(ids))
+            if n < 1:
+                raise ValueError(f"the conversation's {len(ids)} tokens fill the model's "
+                                 f"context length {model.context_length}")
+            stream = _Stream(tok, ids, out, hide=ends)
+            model.generate(np.array([ids]), n, eos_token_id=ends or None, callback=stream,
+                           cache_dtype=args.cache_dtype, **kw)
+        except (ValueError, TypeError) as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+        out.write("\n")
+        out.flush()
+        # one row: generation stops at its end, so the reply is every token shown
+        messages.append({"role": "assistant",
+                         "content": tok.decode(stream.new, skip_special_tokens=True)})
     return 0
 
 
@@ -483,18 +581,46 @@ def build_parser() -> argparse.ArgumentParser:
     sh.add_argument("--scale", choices=("row", "power", "log", "linear"), default="row",
                     help="colour scale: each row divided by its largest weight (default), "
                          "a power (gamma 0.5) or log scale of the weights, or linear")
-    g = sub.add_parser("generate", help="greedy text from a checkpoint folder, streamed")
-    g.add_argument("--model", required=True,
-                   help="checkpoint folder: config.json, *.safetensors, tokenizer.json")
+    sh.add_argument("--revision", help="with a Hub id as --model: branch, tag or commit")
+    g = sub.add_parser("generate", help="text from a checkpoint, greedy or sampled, streamed")
+    _add_model_flags(g, 32)
     g.add_argument("--prompt", required=True,
                    help="the text (token ids such as \"1 2 3\" without tokenizer.json)")
-    g.add_argument("--max-new-tokens", type=int, default=32,
-                   help="tokens to generate after the prompt (default: %(default)s)")
-    g.add_argument("--cache-dtype", choices=CACHE_ONLY_FORMATS,
-                   help="KV cache storage (default: float32, the model's own)")
     g.add_argument("--ignore-eos", action="store_true",
                    help="keep generating past the end-of-sequence token")
+    c = sub.add_parser("chat", help="a conversation with a checkpoint through its chat "
+                                    "template: one message a line on stdin")
+    _add_model_flags(c, 256)
+    c.add_argument("--system", help="a system message that opens the conversation")
     return parser
+
+
+def _add_model_flags(p: argparse.ArgumentParser, max_new_tokens: int) -> None:
+    """The flags of ``generate`` and ``chat``: the checkpoint, the cache, the sampling."""
+    p.add_argument("--model", required=True,
+                   help="checkpoint folder (config.json, *.safetensors, tokenizer.json), or a "
+                        "Hugging Face Hub id org/name (cached, or downloaded with "
+                        "huggingface_hub)")
+    p.add_argument("--revision", help="with a Hub id: branch, tag or commit (default: main)")
+    p.add_argument("--max-new-tokens", type=int, default=max_new_tokens,
+                   help="tokens to generate (per reply) (default: %(default)s)")
+    p.add_argument("--cache-dtype", choices=CACHE_ONLY_FORMATS,
+                   help="KV cache storage (default: float32, the model's own)")
+    s = p.add_argument_group("sampling (transformers' meanings and order; default: greedy)")
+    s.add_argument("--do-sample", action="store_true",
+                   help="draw each token from the processed distribution")
+    s.add_argument("--temperature", type=float, help="divide the logits by it (> 0)")
+    s.add_argument("--top-k", type=int, help="keep the k most probable tokens")
+    s.add_argument("--top-p", type=float,
+                   help="keep the most probable tokens that add up to this probability")
+    s.add_argument("--min-p", type=float,
+                   help="drop tokens below this fraction of the top probability")
+    s.add_argument("--seed", type=int, help="seed of the draws (the same seed, the same text)")
+    s.add_argument("--repetition-penalty", type=float, default=1.0,
+                   help="penalise the tokens already seen, greedy or not (default: 1.0, none)")
+    s.add_argument("--stop", action="append", metavar="TEXT",
+                   help="stop once the generated text contains TEXT (a token id without "
+                        "tokenizer.json); may be repeated")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -503,7 +629,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return cmd_bench(argv[1:])
     args = build_parser().parse_args(argv)
     handlers = {None: cmd_demo, "demo": cmd_demo, "info": cmd_info,
-                "show": cmd_show, "generate": cmd_generate}
+                "show": cmd_show, "generate": cmd_generate, "chat": cmd_chat}
     return handlers[args.command](args)
 
 

@@ -16,7 +16,9 @@ imported.  One file per architecture:
 * :mod:`manyheads.models.phi3` - Phi-3 (fused qkv and gate/up projections).
 
 Reading checkpoints needs the ``models`` extra (``safetensors``; ``ml_dtypes`` for
-bfloat16 files; ``tokenizers`` for the ``generate`` command's text prompts).
+bfloat16 files; ``tokenizers`` for the ``generate`` command's text prompts, ``jinja2`` for
+the ``chat`` command's templates); Hub ids (``org/name``) need the ``hub`` extra
+(``huggingface_hub``).
 """
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ from typing import Any
 
 from ._checkpoint import Checkpoint, read_config
 from ._decoder import DecoderModel
+from ._hub import resolve_checkpoint
 from .gemma import Gemma2, Gemma3
 from .gpt2 import GPT2
 from .llama import Llama
@@ -49,16 +52,22 @@ REFUSED = {
 }
 
 
-def from_pretrained(path: str | os.PathLike[str]) -> DecoderModel:
-    """The model of a checkpoint folder, weights in float32.
+def from_pretrained(path: str | os.PathLike[str], *, revision: str | None = None
+                    ) -> DecoderModel:
+    """The model of a checkpoint folder or Hugging Face Hub id, weights in float32.
 
     Parameters
     ----------
     path : str or path-like
         A folder with ``config.json`` and ``model.safetensors`` (or shards listed
         in ``model.safetensors.index.json``), e.g. one written by
-        ``save_pretrained`` or fetched with ``huggingface-cli download``.
+        ``save_pretrained`` or fetched with ``hf download``; or, when no such
+        folder exists, a Hub id ``org/name``, read from the local Hugging Face
+        cache or else downloaded into it (only the files needed), with
+        ``huggingface_hub`` (the ``hub`` extra).
         float16 and bfloat16 weights are widened to float32 as they load.
+    revision : str, optional
+        With a Hub id: the branch, tag or commit hash (default: ``main``).
 
     Returns
     -------
@@ -74,8 +83,12 @@ def from_pretrained(path: str | os.PathLike[str]) -> DecoderModel:
         An unsupported ``model_type`` or setting, a malformed config.json, or
         weights that do not match the config.
     ImportError
-        ``safetensors`` (or ``ml_dtypes`` for bfloat16) is not installed.
+        ``safetensors`` (or ``ml_dtypes`` for bfloat16) is not installed, or a
+        Hub id is given without ``huggingface_hub``.
+    OSError
+        A Hub id that is neither cached nor downloadable.
     """
+    path = resolve_checkpoint(path, revision)
     cfg = read_config(path)
     kind = cfg["model_type"]
     if kind in REFUSED:

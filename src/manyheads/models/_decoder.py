@@ -1,5 +1,6 @@
-"""What every decoder-only model here shares: checked token input, caches, logits, greedy
-generation, the attention weights of one layer, and the repr.
+"""What every decoder-only model here shares: checked token input, caches, logits,
+generation (greedy or sampled, the choice in ``_sampling``), the attention weights of one
+layer, and the repr.
 
 An architecture (``gpt2``, or ``llama`` and the families built on it) supplies the token
 embedding, its blocks and its final norm; each block owns one fused
@@ -25,6 +26,7 @@ import numpy as np
 from ..cache import KVCache
 from ..functional import linear
 from ..modules import MultiHeadAttention
+from ._sampling import check_sampling, check_stop, choose, process_logits, token_ids
 
 __all__ = ["DecoderModel", "Block", "rms_norm", "layer_norm", "eos_of"]
 
@@ -262,17 +264,29 @@ class DecoderModel:
         return z
 
     def generate(self, ids: Any, max_new_tokens: int, *, cache_dtype: Any = None,
-                 attention_mask: Any = None, eos_token_id: int | None = None,
+                 attention_mask: Any = None, eos_token_id: int | Sequence[int] | None = None,
                  callback: Callable[[int, np.ndarray], None] | None = None,
-                 caches: list[KVCache] | None = None) -> np.ndarray:
-        """Greedy decoding with a KV cache; returns only the new ids, (B, max_new_tokens) int64.
+                 caches: list[KVCache] | None = None, do_sample: bool = False,
+                 temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
+                 min_p: float | None = None, repetition_penalty: float = 1.0,
+                 seed: int | np.random.Generator | None = None,
+                 stop: Sequence[str | int] | None = None, tokenizer: Any = None,
+                 pad_token_id: int | None = None) -> np.ndarray:
+        """Greedy decoding or sampling with a KV cache; returns only the new ids,
+        (B, max_new_tokens) int64.
+
+        The next-token choice follows Hugging Face transformers' ``generate``: the
+        repetition penalty, then (with ``do_sample``) temperature, top-k, top-p and
+        min-p, in that order, then the argmax or a draw (the models guide's
+        *Sampling* section has the details, ties included).  Every argument is
+        checked before anything runs.
 
         Parameters
         ----------
         ids : int array (B, T) or (T,)
             The prompts; a batch of different lengths is left-padded and
             described by ``attention_mask`` (each row then generates exactly what
-            it would alone).
+            it would alone, when greedy).
         max_new_tokens : int
             Tokens to generate per row; prompt plus new tokens must fit the
             context length.
@@ -281,14 +295,49 @@ class DecoderModel:
             (default: float32).
         attention_mask : array (B, T) of 0/1, optional
             1 = token, 0 = left padding (Hugging Face's convention).
-        eos_token_id : int, optional
-            Stop when every row has produced it; a finished row is filled with
-            it from there on.  None (default): always ``max_new_tokens`` steps.
+        eos_token_id : int or list of int, optional
+            A row ends when it produces one of them; a finished row is filled
+            with ``pad_token_id`` from there on, and generation stops when every
+            row has ended.  None (default): always ``max_new_tokens`` steps.
         callback : callable(step, tokens), optional
             Called with each step's new tokens (B,) as soon as they are chosen.
         caches : list of KVCache, optional
             Empty caches from :meth:`new_caches` to use (and inspect afterwards,
             e.g. their ``nbytes``); by default fresh ones are made.
+        do_sample : bool
+            False (default): the most probable token (greedy).  True: a draw
+            from the processed distribution.
+        temperature : float > 0
+            With ``do_sample``: the logits are divided by it (default 1.0).
+        top_k : int >= 1, optional
+            With ``do_sample``: keep the ``top_k`` largest logits (and ties with
+            the last of them).  None (default): no top-k filter (transformers'
+            ``generate`` uses 50 unless told otherwise).
+        top_p : float in (0, 1], optional
+            With ``do_sample``: keep the smallest set of most probable tokens
+            whose probabilities add up to ``top_p``; 1.0 or None: no filter.
+        min_p : float in [0, 1], optional
+            With ``do_sample``: drop the tokens whose probability is below
+            ``min_p`` times the largest.
+        repetition_penalty : float > 0
+            Applied to the logits of every token seen so far (the prompt's and
+            the generated ones), greedy or not: a positive logit is divided by
+            it, a negative one multiplied (1.0, the default: none).
+        seed : int or numpy.random.Generator, optional
+            With ``do_sample``: the source of the draws
+            (``numpy.random.default_rng(seed)``); the same seed gives the same
+            tokens.  None: fresh entropy.
+        stop : list of str and int, optional
+            A row also ends when it produces one of these token ids, or when
+            its generated text (``tokenizer.decode`` of its new tokens)
+            contains one of these strings; the tokens up to and including the
+            one that ends it are kept.  Strings need ``tokenizer`` and a filler
+            (``pad_token_id`` or ``eos_token_id``).
+        tokenizer : object with ``decode(ids) -> str``, optional
+            For the stop strings, e.g. a ``tokenizers.Tokenizer``.
+        pad_token_id : int, optional
+            What fills a row after it ends (default: the first of
+            ``eos_token_id``, else the first stop id).
         """
         arr = self._check_ids(ids)
         n = int(max_new_tokens)
@@ -296,6 +345,17 @@ class DecoderModel:
             raise ValueError(f"max_new_tokens must be a non-negative int, got {max_new_tokens!r}")
         B, T = arr.shape
         self._check_room(0, T + n)
+        pad = self._check_mask(attention_mask, arr.shape, 0)
+        settings = check_sampling(do_sample, temperature, top_k, top_p, min_p,
+                                  repetition_penalty)
+        ends = token_ids("eos_token_id", eos_token_id, self.vocab_size)
+        stop_ids, stop_texts = check_stop(stop, tokenizer, self.vocab_size)
+        ends += stop_ids
+        fill = token_ids("pad_token_id", pad_token_id, self.vocab_size)[:1] or ends[:1]
+        if stop_texts is not None and not fill:
+            raise ValueError("stop strings need pad_token_id (or eos_token_id): the id that "
+                             "fills a row after it ends")
+        rng = np.random.default_rng(seed) if settings.do_sample else None
         out = np.empty((B, n), dtype=np.int64)
         if n == 0:
             return out
@@ -303,19 +363,30 @@ class DecoderModel:
             caches = self.new_caches(B, T + n, cache_dtype)
         elif len(caches) != self.num_layers or any(len(c) for c in caches):
             raise ValueError(f"caches must be {self.num_layers} empty caches from new_caches()")
+        seen = None
+        if settings.penalises:  # the prompts' real tokens
+            seen = np.zeros((B, self.vocab_size), dtype=bool)
+            rows = np.broadcast_to(np.arange(B)[:, None], arr.shape)
+            real = np.ones(arr.shape, dtype=bool) if pad is None else ~pad
+            seen[rows[real], arr[real]] = True
         logits = self.logits(arr, attention_mask=attention_mask, caches=caches,
                              last_only=True)
         done = np.zeros(B, dtype=bool)
         for step in range(n):
-            tok = np.argmax(logits[:, -1], axis=-1).astype(np.int64)
-            if eos_token_id is not None:
-                tok[done] = eos_token_id
-                done |= tok == eos_token_id
+            tok = choose(process_logits(logits[:, -1], settings, seen), settings, rng)
+            if fill:
+                tok[done] = fill[0]
+                done |= np.isin(tok, ends)
+            if stop_texts is not None:
+                for r in np.flatnonzero(~done):
+                    done[r] = stop_texts.hit(np.append(out[r, :step], tok[r]))
             out[:, step] = tok
+            if seen is not None:
+                seen[np.arange(B), tok] = True
             if callback is not None:
                 callback(step, tok)
-            if eos_token_id is not None and done.all():
-                out[:, step + 1:] = eos_token_id
+            if fill and done.all():
+                out[:, step + 1:] = fill[0]
                 break
             if step + 1 < n:
                 logits = self.logits(tok[:, None], caches=caches, last_only=True)

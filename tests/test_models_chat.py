@@ -1,0 +1,169 @@
+"""The sampling flags of ``python -m manyheads generate``, the ``chat`` command on a
+tiny template written here, and chat templates rendered as transformers renders them."""
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+pytest.importorskip("safetensors")
+tokenizers = pytest.importorskip("tokenizers")
+pytest.importorskip("jinja2")
+
+from manyheads.models import from_pretrained  # noqa: E402
+from manyheads.models._chat import render_chat  # noqa: E402
+from manyheads.models.random import save_random_checkpoint  # noqa: E402
+
+# roles and words the word-level tokenizer of a random checkpoint knows
+TEMPLATE = ("{% for m in messages %}{{ m['role'] }} : {{ m['content'] }} . {% endfor %}"
+            "{% if add_generation_prompt %}a bird :{% endif %}")
+
+
+def rendered(messages):
+    """TEMPLATE spelt out in Python."""
+    return "".join(f"{m['role']} : {m['content']} . " for m in messages) + "a bird :"
+
+
+@pytest.fixture(scope="module")
+def chat_dir(tmp_path_factory):
+    folder = save_random_checkpoint(tmp_path_factory.mktemp("chat"), "llama", seed=4,
+                                    tokenizer=True)
+    with open(os.path.join(folder, "tokenizer_config.json"), "w") as f:
+        json.dump({"chat_template": TEMPLATE, "eos_token": "."}, f)
+    return folder
+
+
+def cli(*args, stdin=None):
+    return subprocess.run([sys.executable, "-m", "manyheads", *args], capture_output=True,
+                          text=True, timeout=300, input=stdin)
+
+
+def test_generate_samples_with_the_flags(chat_dir):
+    tok = tokenizers.Tokenizer.from_file(os.path.join(chat_dir, "tokenizer.json"))
+    ids = tok.encode("the cat sat").ids
+    model = from_pretrained(chat_dir)
+    kw = dict(do_sample=True, seed=3, temperature=0.8, top_k=20, top_p=0.9, min_p=0.05,
+              repetition_penalty=1.1)
+    res = cli("generate", "--model", chat_dir, "--prompt", "the cat sat", "--max-new-tokens",
+              "14", "--ignore-eos", "--do-sample", "--seed", "3", "--temperature", "0.8",
+              "--top-k", "20", "--top-p", "0.9", "--min-p", "0.05",
+              "--repetition-penalty", "1.1")
+    assert res.returncode == 0, res.stderr
+    new = model.generate(np.array([ids]), 14, **kw)[0].tolist()
+    assert res.stdout == tok.decode(ids + new) + "\n"
+    assert new != model.generate(np.array([ids]), 14)[0].tolist()  # not greedy
+
+
+def test_generate_stops_at_a_stop_string(chat_dir):
+    tok = tokenizers.Tokenizer.from_file(os.path.join(chat_dir, "tokenizer.json"))
+    ids = tok.encode("the cat sat").ids
+    new = from_pretrained(chat_dir).generate(np.array([ids]), 20)[0].tolist()
+    words = tok.decode(new).split()
+    stop = f"{words[4]} {words[5]}"
+    end = next(k for k in range(1, 21) if stop in tok.decode(new[:k]))
+    res = cli("generate", "--model", chat_dir, "--prompt", "the cat sat", "--max-new-tokens",
+              "20", "--stop", "nothing like this", "--stop", stop)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout == tok.decode(ids + new[:end]) + "\n"
+    assert res.stdout.rstrip("\n").endswith(stop) and f"generated {end} tokens" in res.stderr
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--temperature", "0.5"], "--temperature apply to sampling: add --do-sample"),
+    (["--do-sample", "--top-p", "1.5"], "top_p must be in (0, 1]"),
+    (["--do-sample", "--temperature", "0"], "temperature must be > 0"),
+    (["--do-sample", "--top-k", "0"], "top_k must be a positive int"),
+    (["--do-sample", "--min-p", "2"], "min_p must be in [0, 1]"),
+    (["--repetition-penalty", "-1"], "repetition_penalty must be > 0"),
+    (["--stop", ""], "stop: an empty string"),
+])
+def test_bad_sampling_flags_are_one_line_before_anything_is_printed(chat_dir, args, message):
+    res = cli("generate", "--model", chat_dir, "--prompt", "the cat", *args)
+    assert res.returncode == 2 and res.stdout == ""
+    err = res.stderr.strip()
+    assert err.startswith("error: ") and message in err and "\n" not in err
+
+
+def test_stop_takes_token_ids_without_a_tokenizer(tmp_path):
+    folder = save_random_checkpoint(tmp_path / "ids", "gpt2", seed=5, vocab_size=50)
+    new = from_pretrained(folder).generate(np.array([[1, 2, 3]]), 10)[0].tolist()
+    res = cli("generate", "--model", folder, "--prompt", "1 2 3", "--max-new-tokens", "10",
+              "--stop", str(new[4]))
+    assert res.returncode == 0, res.stderr
+    end = new.index(new[4]) + 1
+    assert res.stdout.split() == ["1", "2", "3"] + [str(t) for t in new[:end]]
+    res = cli("generate", "--model", folder, "--prompt", "1 2 3", "--stop", "cat")
+    assert res.returncode == 2 and "--stop takes token ids" in res.stderr
+
+
+def test_chat_renders_the_conversation_and_streams_the_replies(chat_dir):
+    tok = tokenizers.Tokenizer.from_file(os.path.join(chat_dir, "tokenizer.json"))
+    model = from_pretrained(chat_dir)
+    end = tok.token_to_id(".")
+    kw = dict(do_sample=True, seed=5, top_k=30)
+    messages = [{"role": "system", "content": "many heads look at the same text"}]
+    expected = []
+    for text in ("the cat sat on the mat", "a dog sang in the tree"):
+        messages.append({"role": "user", "content": text})
+        ids = tok.encode(rendered(messages), add_special_tokens=False).ids
+        new = model.generate(np.array([ids]), 12, eos_token_id=[end], **kw)[0].tolist()
+        reply = new[:new.index(end)] if end in new else new
+        expected.append(tok.decode(ids + reply)[len(tok.decode(ids)):])
+        messages.append({"role": "assistant", "content": tok.decode(reply)})
+    res = cli("chat", "--model", chat_dir, "--max-new-tokens", "12", "--system",
+              messages[0]["content"], "--do-sample", "--seed", "5", "--top-k", "30",
+              stdin="the cat sat on the mat\n\na dog sang in the tree\n")
+    assert res.returncode == 0, res.stderr
+    assert res.stdout == "".join(e + "\n" for e in expected)
+    assert "chat: one message a line" in res.stderr
+
+
+def test_chat_needs_a_template(chat_dir, tmp_path):
+    bare = tmp_path / "bare"
+    shutil.copytree(chat_dir, bare)
+    os.remove(bare / "tokenizer_config.json")
+    res = cli("chat", "--model", str(bare), stdin="hello\n")
+    assert res.returncode == 2 and "has no chat template" in res.stderr
+    (bare / "chat_template.jinja").write_text(TEMPLATE)  # where newer checkpoints keep it
+    res = cli("chat", "--model", str(bare), "--max-new-tokens", "3", stdin="the cat\n")
+    assert res.returncode == 0, res.stderr
+    assert len(res.stdout.splitlines()) == 1
+
+
+RICH = """{%- set ns = namespace(turns=0) -%}
+{%- if messages[0]['role'] != 'system' %}<|system|>You help.{{ eos_token }}
+{% endif %}
+{%- for message in messages %}
+  {%- if message['role'] not in ['system', 'user', 'assistant'] %}
+    {{- raise_exception('unknown role ' + message['role']) }}
+  {%- endif %}
+  {%- set ns.turns = ns.turns + 1 %}
+<|{{ message['role'] }}|>
+{{ message['content'] | trim }}{{ eos_token }} {{ {'turn': ns.turns, 'text': message['content']} | tojson }}
+  {% if loop.last and message['role'] == 'assistant' %}{% break %}{% endif %}
+{% endfor %}
+{%- if add_generation_prompt %}<|assistant|>
+{% endif %}"""
+
+
+@pytest.mark.parametrize("generation_prompt", [True, False])
+def test_templates_render_as_transformers_renders_them(chat_dir, tmp_path, generation_prompt):
+    transformers = pytest.importorskip("transformers")
+    folder = tmp_path / "rich"
+    shutil.copytree(chat_dir, folder)
+    with open(folder / "tokenizer_config.json", "w") as f:
+        json.dump({"chat_template": RICH, "eos_token": ".", "bos_token": "the"}, f)
+    hf = transformers.AutoTokenizer.from_pretrained(str(folder))
+    for messages in ([{"role": "user", "content": "  café <b>\"quoted\"</b> "}],
+                     [{"role": "system", "content": "be brief"},
+                      {"role": "user", "content": "hi"},
+                      {"role": "assistant", "content": "hello"}]):
+        ours = render_chat(RICH, messages, add_generation_prompt=generation_prompt,
+                           eos_token=".", bos_token="the")
+        assert ours == hf.apply_chat_template(messages, tokenize=False,
+                                              add_generation_prompt=generation_prompt)
+    with pytest.raises(ValueError, match="unknown role tool"):
+        render_chat(RICH, [{"role": "tool", "content": "x"}], eos_token=".")
