@@ -137,16 +137,22 @@ def test_float16_cache_dtype_is_passed_through(pair):
     np.testing.assert_array_equal(out16, out)
 
 
-def test_left_padded_batch_equals_each_prompt_alone(pair):
-    arch, _, hf, model = pair
-    rng = np.random.default_rng(7)
-    prompts = [rng.integers(0, VOCAB, n) for n in (5, 13, 9)]
-    T = max(len(p) for p in prompts)
-    ids = np.zeros((3, T), dtype=np.int64)
-    mask = np.zeros((3, T), dtype=np.int64)
+def left_padded(lengths, seed=7):
+    """Random prompts of these lengths, and the batch of them padded on the left (ids, mask)."""
+    rng = np.random.default_rng(seed)
+    prompts = [rng.integers(0, VOCAB, n) for n in lengths]
+    T = max(lengths)
+    ids = np.zeros((len(prompts), T), dtype=np.int64)
+    mask = np.zeros((len(prompts), T), dtype=np.int64)
     for i, p in enumerate(prompts):
         ids[i, T - len(p):] = p
         mask[i, T - len(p):] = 1
+    return prompts, ids, mask
+
+
+def test_left_padded_batch_equals_each_prompt_alone(pair):
+    arch, _, hf, model = pair
+    prompts, ids, mask = left_padded((5, 13, 9))
     out = model.generate(ids, 15, attention_mask=mask)
     np.testing.assert_array_equal(out, hf_greedy(hf, ids, 15, mask))  # transformers, batched
     for i, p in enumerate(prompts):
@@ -156,7 +162,7 @@ def test_left_padded_batch_equals_each_prompt_alone(pair):
     # the logits of each row's real tokens equal its prompt's own logits
     lg = model.logits(ids, attention_mask=mask)
     for i, p in enumerate(prompts):
-        assert_logits_close(lg[i:i + 1, T - len(p):], hf_logits(hf, p[None]))
+        assert_logits_close(lg[i:i + 1, ids.shape[1] - len(p):], hf_logits(hf, p[None]))
 
 
 def test_repr_names_architecture_and_sizes(pair):

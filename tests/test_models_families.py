@@ -18,7 +18,8 @@ transformers = pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 
 from manyheads.models import from_pretrained  # noqa: E402
-from test_models import VOCAB, assert_logits_close, hf_greedy, hf_logits  # noqa: E402
+from test_models import (VOCAB, assert_logits_close, hf_greedy, hf_logits,  # noqa: E402
+                         left_padded)
 
 COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
@@ -144,21 +145,14 @@ def test_greedy_tokens_match_transformers_generate(pair):
 def test_left_padded_batch_matches_transformers(pair):
     family, folder, hf, model = pair
     hf = fresh_hf(folder) if family == "llama-dynamic" else hf
-    rng = np.random.default_rng(7)
-    prompts = [rng.integers(0, VOCAB, n) for n in (5, 21, 13)]
-    T = max(len(p) for p in prompts)
-    ids = np.zeros((3, T), dtype=np.int64)
-    mask = np.zeros((3, T), dtype=np.int64)
-    for i, p in enumerate(prompts):
-        ids[i, T - len(p):] = p
-        mask[i, T - len(p):] = 1
+    prompts, ids, mask = left_padded((5, 21, 13))
     out = model.generate(ids, 15, attention_mask=mask)
     np.testing.assert_array_equal(out, hf_greedy(hf, ids, 15, mask))
     for i, p in enumerate(prompts):
         np.testing.assert_array_equal(out[i], model.generate(p[None], 15)[0])
     lg = model.logits(ids, attention_mask=mask)
     for i, p in enumerate(prompts):
-        assert_logits_close(lg[i:i + 1, T - len(p):], hf_logits(hf, p[None]))
+        assert_logits_close(lg[i:i + 1, ids.shape[1] - len(p):], hf_logits(hf, p[None]))
 
 
 @pytest.mark.parametrize("family", ["mistral", "qwen3", "gemma2", "gemma3", "phi3",

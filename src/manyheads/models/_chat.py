@@ -16,7 +16,7 @@ import os
 from datetime import datetime
 from typing import Any, Sequence
 
-from ._checkpoint import require_package
+from ._checkpoint import read_json, require_package
 
 __all__ = ["chat_template", "special_tokens", "render_chat", "end_token_ids"]
 
@@ -25,23 +25,9 @@ TEMPLATE_FILE = "chat_template.jinja"
 SPECIAL = ("bos_token", "eos_token", "unk_token", "pad_token")
 
 
-def _json(folder: str, name: str) -> dict[str, Any]:
-    path = os.path.join(folder, name)
-    if not os.path.isfile(path):
-        return {}
-    try:
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ValueError(f"malformed {name} in {folder!r}: {exc}") from None
-    if not isinstance(data, dict):
-        raise ValueError(f"malformed {name} in {folder!r}: expected a JSON object")
-    return data
-
-
 def chat_template(folder: str) -> str:
     """The checkpoint's chat template (the ``default`` one of a list of named ones)."""
-    template = _json(folder, TOKENIZER_CONFIG).get("chat_template")
+    template = read_json(folder, TOKENIZER_CONFIG).get("chat_template")
     if isinstance(template, list):
         named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
         template = named.get("default")
@@ -57,7 +43,7 @@ def chat_template(folder: str) -> str:
 def special_tokens(folder: str) -> dict[str, str]:
     """The special tokens' texts named in ``tokenizer_config.json`` (a string, or an
     added token's ``content``)."""
-    cfg = _json(folder, TOKENIZER_CONFIG)
+    cfg = read_json(folder, TOKENIZER_CONFIG)
     out = {}
     for name in SPECIAL:
         value = cfg.get(name)
@@ -102,7 +88,7 @@ def end_token_ids(folder: str, model_eos: int | None, tokenizer: Any) -> list[in
     """The ids that end a reply: ``eos_token_id`` of ``generation_config.json`` (one or
     a list), the model's, and ``tokenizer_config.json``'s ``eos_token``."""
     ids: list[int] = []
-    gen = _json(folder, "generation_config.json").get("eos_token_id")
+    gen = read_json(folder, "generation_config.json").get("eos_token_id")
     for value in (gen if isinstance(gen, list) else [gen]) + [model_eos]:
         if isinstance(value, int) and not isinstance(value, bool) and value not in ids:
             ids.append(value)

@@ -42,20 +42,29 @@ def read_config(path: str | os.PathLike[str]) -> dict[str, Any]:
     folder = os.fspath(path)
     if not os.path.isdir(folder):
         raise FileNotFoundError(f"no checkpoint folder at {folder!r}")
-    cfg_path = os.path.join(folder, "config.json")
-    if not os.path.isfile(cfg_path):
+    if not os.path.isfile(os.path.join(folder, "config.json")):
         raise FileNotFoundError(f"{folder!r} has no config.json")
-    try:
-        with open(cfg_path, encoding="utf-8") as f:
-            cfg = json.load(f)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ValueError(f"malformed config.json in {folder!r}: {exc}") from None
-    if not isinstance(cfg, dict):
-        raise ValueError(f"malformed config.json in {folder!r}: expected a JSON object, "
-                         f"got {type(cfg).__name__}")
+    cfg = read_json(folder, "config.json")
     if not isinstance(cfg.get("model_type"), str):
         raise ValueError(f"malformed config.json in {folder!r}: no 'model_type' string")
     return cfg
+
+
+def read_json(folder: str, name: str) -> dict[str, Any]:
+    """The JSON object in file ``name`` of ``folder`` ({} if there is no such file);
+    ValueError if it is not a JSON object."""
+    path = os.path.join(folder, name)
+    if not os.path.isfile(path):
+        return {}
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ValueError(f"malformed {name} in {folder!r}: {exc}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"malformed {name} in {folder!r}: expected a JSON object, "
+                         f"got {type(data).__name__}")
+    return data
 
 
 def _config_value(cfg: dict[str, Any], names: tuple[str, ...], kind: str,
