@@ -237,13 +237,14 @@ typedef void (*mh_merge_fn)(const mh_attn_args *args, int64_t pair, void *scratc
 
 /* A dense projection out = x @ w (+ bias), row-major, strides in elements:
    x (m, k), w (k, n), bias (n,) or NULL, out (m, n).  Work items:
-   - few rows (m <= MH_FEW_ROWS): column blocks of MH_LINEAR_COLS, computed by
-     the ISA kernels (mh_linear_rows_fn), memory-bound: w is streamed once;
+   - few rows (m <= MH_FEW_ROWS): column blocks of tile_n columns (at most
+     MH_LINEAR_BLOCK_BYTES of a row of w), computed by the ISA kernels
+     (mh_linear_rows_fn), memory-bound: w is streamed once;
    - more rows: tiles of tile_m x tile_n, each one single-threaded call of a
      BLAS gemm (mh_linear_tile_f32/f64 below).
    Every output element is summed over k in the same order whatever the
    tiling and thread count, so results are reproducible bit for bit. */
-#define MH_LINEAR_COLS 128
+#define MH_LINEAR_BLOCK_BYTES 32768 /* of a row of w per few-rows block (4 rows' sums: 128 KiB) */
 
 /* Fortran BLAS gemm (column-major), as SciPy's cython_blas exposes it. */
 typedef void (*mh_sgemm_fn)(const char *transa, const char *transb, const int *m, const int *n,
@@ -261,7 +262,7 @@ typedef struct mh_linear_args {
     const void *w; int64_t w_row;
     const void *bias;
     void *out; int64_t out_row;
-    int64_t tile_m, tile_n; /* BLAS tiles (more-rows path) */
+    int64_t tile_m, tile_n; /* BLAS tiles (more rows); tile_n: column blocks (few rows) */
     mh_sgemm_fn sgemm;
     mh_dgemm_fn dgemm;
 } mh_linear_args;

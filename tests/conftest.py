@@ -1,6 +1,12 @@
 import numpy as np
 import pytest
 
+import manyheads as mh
+
+#: the threads a call asking for two gets: one in a build without OpenMP
+#: (MANYHEADS_NO_OPENMP=1), whose calls all run on the calling thread
+TWO_THREADS = 2 if mh.show_config(mode="dicts")["openmp"] else 1
+
 # float32 results are compared with the float64 oracle; for unit-normal inputs at
 # T <= 1024 the kernels stay within this absolute difference (docs/guarantees.md).
 F32_ATOL = 1e-5

@@ -6,7 +6,7 @@ import manyheads as mh
 from manyheads import _kernels
 from manyheads import oracle
 
-from conftest import atol_for, normal
+from conftest import TWO_THREADS, atol_for, normal
 
 DTYPES = [np.float32, np.float64]
 
@@ -190,7 +190,7 @@ def test_dropout_is_reproducible_by_seed_and_varies_without(rng):
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_identical_results_for_one_and_two_threads(rng, dtype):
     q, k, v = qkv(rng, 2, 5, 300, 300, 40, dtype=dtype)
-    assert mh.explain(q, k, v, is_causal=True, num_threads=2).threads == 2  # split
+    assert mh.explain(q, k, v, is_causal=True, num_threads=2).threads == TWO_THREADS  # split
     one = mh.scaled_dot_product_attention(q, k, v, is_causal=True, num_threads=1)
     two = mh.scaled_dot_product_attention(q, k, v, is_causal=True, num_threads=2)
     again = mh.scaled_dot_product_attention(q, k, v, is_causal=True, num_threads=2)

@@ -25,7 +25,8 @@ def test_forced_path_passes_the_oracle_tests(isa):
     files = [str(HERE / f) for f in ("test_functional.py", "test_modules.py",
                                      "test_block_boundaries.py", "test_cache.py",
                                      "test_cache_formats.py", "test_poisoned_keys.py",
-                                     "test_plan.py", "test_score_features.py")]
+                                     "test_plan.py", "test_score_features.py",
+                                     "test_linear.py")]
     res = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *files],
                          env=env, capture_output=True, text=True, timeout=1200, cwd=HERE)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]

@@ -20,6 +20,19 @@ def test_linear_matches_numpy_for_few_and_many_rows(rng, dtype, rows, n):
     np.testing.assert_allclose(mh.linear(x, w), ref - b, rtol=0, atol=tol)
 
 
+@pytest.mark.parametrize("rows", [1, 4])
+@pytest.mark.parametrize("k", [1, 3, 5, 97])
+@pytest.mark.parametrize("n", [15, 1040, 4100])
+def test_few_rows_take_any_depth_and_width(rng, rows, k, n):
+    """The few-rows product reads w four rows of k at a time in column blocks: depths that
+    are not a multiple of four, and widths across several blocks with a ragged tail."""
+    x = rng.standard_normal((rows, k)).astype(np.float32)
+    w = rng.standard_normal((k, n)).astype(np.float32)
+    b = rng.standard_normal(n).astype(np.float32)
+    ref = x.astype(np.float64) @ w.astype(np.float64) + b
+    np.testing.assert_allclose(mh.linear(x, w, b, num_threads=2), ref, rtol=0, atol=1e-4)
+
+
 @pytest.mark.parametrize("rows,k,n", [(1, 4096, 3000), (4, 2048, 2100), (513, 200, 700)])
 def test_linear_is_the_same_bits_on_any_thread_count(rng, rows, k, n):
     assert _kernels.explain_linear(rows, k, n, 2)["threads"] == 2  # split across threads

@@ -6,6 +6,7 @@ import pytest
 import manyheads as mh
 from manyheads import _core, _formats, _kernels
 from manyheads.cache import quantize
+from conftest import TWO_THREADS
 
 ISA = mh.kernel_isa()
 LANES_F32 = {"baseline": 4, "avx2": 8, "avx512": 16, "avx512bf16": 16}[ISA]
@@ -22,7 +23,7 @@ def test_decode_against_a_long_cache_splits_the_keys():
     plan = mh.explain(q, k, k, num_threads=2)
     assert plan.schedule == "split keys"
     assert (plan.key_ranges, plan.range_keys) == (32, 512)
-    assert plan.work_items == 12 * 32 and plan.threads == 2 and plan.merge_threads == 2
+    assert plan.work_items == 12 * 32 and plan.threads == TWO_THREADS and plan.merge_threads == TWO_THREADS
     (item,) = plan.items
     assert (item.count, item.rows, item.path) == (384, 1, "few rows")
     assert (item.keys, item.values) == ("in place", "in place")
@@ -41,7 +42,7 @@ def test_causal_prefill_runs_query_blocks_on_the_tile_path_in_place():
     q = zeros(1, 12, 2048, 64)
     plan = mh.explain(q, q, q, is_causal=True, num_threads=2)
     assert plan.schedule == "query blocks" and plan.query_blocks == 32
-    assert plan.work_items == 384 and plan.threads == 2
+    assert plan.work_items == 384 and plan.threads == TWO_THREADS
     (item,) = plan.items
     assert (item.rows, item.path, item.keys, item.values) == (64, "tile", "in place", "in place")
     assert plan.multiply_adds == 12 * 2048 * 2048 * 128
@@ -144,14 +145,15 @@ def test_explain_checks_its_arguments_as_the_call_does():
 def test_the_plan_reads_in_words():
     q, k = zeros(1, 12, 1, 64), zeros(1, 12, 16384, 64)
     text = str(mh.explain(q, k, k, num_threads=2))
-    assert f"float32 attention on the {ISA} kernels, 2 threads" in text
+    threads = "2 threads" if TWO_THREADS == 2 else "1 thread"
+    assert f"float32 attention on the {ISA} kernels, {threads}" in text
     assert "32 key ranges of 512 = 384 work items" in text
     assert "384 items of 1 row: few rows path, keys in place, values in place" in text
 
 
 def test_the_plan_gives_the_threads_a_call_uses_however_the_budget_is_set():
     q = zeros(2, 5, 300, 40)
-    assert mh.explain(q, q, q, is_causal=True, num_threads=2).threads == 2
+    assert mh.explain(q, q, q, is_causal=True, num_threads=2).threads == TWO_THREADS
     assert mh.explain(q, q, q, is_causal=True, num_threads=1).threads == 1
 
 
@@ -159,7 +161,12 @@ def test_linear_plans_column_blocks_for_a_few_rows_and_blas_tiles_for_more():
     # (12.6 M multiply-adds: split even while threads were recently found without a core,
     # when calls below 8.4 M run on the calling thread alone)
     few = _kernels.explain_linear(1, 4096, 3072, 2)
-    assert few["path"] == "few rows" and few["work_items"] == 3072 // _kernels.LINEAR_COLS
+    # blocks of at most 32 KiB of a row of w (8192 float32 columns), as many per thread
+    assert _kernels.LINEAR_BLOCK_BYTES == 32768
+    assert few["path"] == "few rows" and few["work_items"] == 2 and few["tile"] == (1, 1536)
     assert few["threads"] == 2
+    assert _kernels.explain_linear(4, 576, 49152, 2)["tile"] == (4, 8192)
+    assert _kernels.explain_linear(1, 576, 49152, 2, itemsize=8)["tile"] == (1, 4096)
+    assert _kernels.explain_linear(1, 576, 576, 2)["work_items"] == 2
     many = _kernels.explain_linear(513, 200, 700, 2)
     assert many["path"] == "BLAS tiles" and many["tile"][0] == 256

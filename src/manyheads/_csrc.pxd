@@ -9,7 +9,7 @@ cdef extern from "mh_kernels.h" nogil:
         MH_BLOCK_K
         MH_FEW_ROWS
         MH_SCRATCH_ALIGN
-        MH_LINEAR_COLS
+        MH_LINEAR_BLOCK_BYTES
         MH_I4_GROUP
         MH_ISA_COUNT
         MH_STORAGE_COUNT

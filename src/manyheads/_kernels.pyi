@@ -11,7 +11,7 @@ I4_GROUP: int
 BLOCK_Q: int
 BLOCK_K: int
 FEW_ROWS: int
-LINEAR_COLS: int
+LINEAR_BLOCK_BYTES: int
 CONTENDED_SECONDS: float
 SIGNAL_CHECK_SECONDS: float
 PATH_NAMES: dict[int, str]
@@ -59,7 +59,8 @@ def waited_for_absent_threads(start: float, worked: float, end: float) -> bool:
 def threads_for_call(requested: int, active_calls: int) -> int:
     """Threads one of ``active_calls`` simultaneous calls gets from a budget of ``requested``."""
 
-def explain_linear(m: int, k: int, n: int, num_threads: int) -> dict[str, Any]:
+def explain_linear(m: int, k: int, n: int, num_threads: int, itemsize: int = ...
+                   ) -> dict[str, Any]:
     """The plan of :func:`linear` for these sizes, as a dict."""
 
 def linear(x: _FloatArray, w: _FloatArray, bias: _FloatArray | None, out: _FloatArray,

@@ -30,7 +30,7 @@ I4_GROUP = MH_I4_GROUP
 BLOCK_Q = MH_BLOCK_Q
 BLOCK_K = MH_BLOCK_K
 FEW_ROWS = MH_FEW_ROWS
-LINEAR_COLS = MH_LINEAR_COLS
+LINEAR_BLOCK_BYTES = MH_LINEAR_BLOCK_BYTES
 SIGNAL_CHECK_SECONDS = 0.05  # how often a long call looks for Ctrl-C
 PATH_NAMES = {MH_PATH_TILE: "tile", MH_PATH_PAIRS: "tile, bfloat16 pair products",
               MH_PATH_FEW_ROWS: "few rows"}
@@ -303,16 +303,22 @@ cdef struct LinearPlan:
     int threads
 
 
-cdef LinearPlan _plan_linear(int64_t m, int64_t k, int64_t n, int num_threads):
-    """Work items of out (m, n) = x (m, k) @ w (k, n): up to FEW_ROWS rows, column blocks of
-    LINEAR_COLS (the kernels' own product); more rows, BLAS tiles from the shape alone
-    (never the thread count): rows in tiles of up to 256, columns split until there are
-    about 64 tiles, in multiples of 64."""
+cdef LinearPlan _plan_linear(int64_t m, int64_t k, int64_t n, int num_threads, int itemsize):
+    """Work items of out (m, n) = x (m, k) @ w (k, n).  Up to FEW_ROWS rows (the kernels' own
+    product): column blocks of a multiple of 16 columns, each at most LINEAR_BLOCK_BYTES of a
+    row of w, as many as give every thread the same number of blocks.  More rows: BLAS tiles
+    from the shape alone (never the thread count): rows in tiles of up to 256, columns split
+    until there are about 64 tiles, in multiples of 64."""
     cdef LinearPlan p
-    cdef int64_t m_tiles, n_tiles, target = 64
+    cdef int64_t m_tiles, n_tiles, target = 64, blocks, share
     p.tile_m = p.tile_n = 0
     if m <= MH_FEW_ROWS:
-        p.n_items = (n + MH_LINEAR_COLS - 1) // MH_LINEAR_COLS
+        blocks = (n * itemsize + MH_LINEAR_BLOCK_BYTES - 1) // MH_LINEAR_BLOCK_BYTES
+        share = max(1, min(num_threads, (n + 15) // 16))
+        blocks = (blocks + share - 1) // share * share
+        p.tile_m = m
+        p.tile_n = ((n + blocks - 1) // blocks + 15) // 16 * 16
+        p.n_items = (n + p.tile_n - 1) // p.tile_n
     else:
         p.tile_m = m if m < 256 else 256
         m_tiles = (m + p.tile_m - 1) // p.tile_m
@@ -326,11 +332,12 @@ cdef LinearPlan _plan_linear(int64_t m, int64_t k, int64_t n, int num_threads):
     return p
 
 
-def explain_linear(int64_t m, int64_t k, int64_t n, int num_threads):
-    """The plan of :func:`linear` for these sizes, as a dict."""
-    cdef LinearPlan p = _plan_linear(m, k, n, num_threads)
+def explain_linear(int64_t m, int64_t k, int64_t n, int num_threads, int itemsize=4):
+    """The plan of :func:`linear` for these sizes (and bytes per element), as a dict: a
+    tile is (rows, columns) of the output per work item."""
+    cdef LinearPlan p = _plan_linear(m, k, n, num_threads, itemsize)
     return {"path": "few rows" if m <= MH_FEW_ROWS else "BLAS tiles", "work_items": p.n_items,
-            "tile": (p.tile_m, p.tile_n) if m > MH_FEW_ROWS else None, "threads": p.threads}
+            "tile": (p.tile_m, p.tile_n), "threads": p.threads}
 
 
 def linear(x, w, bias, out, int num_threads, bint check_signals=False):
@@ -361,15 +368,15 @@ def linear(x, w, bias, out, int num_threads, bint check_signals=False):
     job.stride = 0
     if a.m == 0 or a.n == 0:
         return
-    p = _plan_linear(a.m, a.k, a.n, num_threads)
+    p = _plan_linear(a.m, a.k, a.n, num_threads, oa.dtype.itemsize)
+    a.tile_m = p.tile_m
+    a.tile_n = p.tile_n
     if a.m <= MH_FEW_ROWS:
         job.rows = _table.linear_rows_f64 if f64 else _table.linear_rows_f32
         _run_items(&job, _rows_item, p.n_items, p.threads, check_signals)
         return
     if not has_blas():
         raise RuntimeError("no BLAS set for projections of more than FEW_ROWS rows")
-    a.tile_m = p.tile_m
-    a.tile_n = p.tile_n
     job.tile = mh_linear_tile_f64 if f64 else mh_linear_tile_f32
     _run_items(&job, _tile_item, p.n_items, p.threads, check_signals)
 
