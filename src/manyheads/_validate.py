@@ -159,11 +159,13 @@ ScoreFeatures = tuple["float | None", "np.ndarray | None", "np.ndarray | None", 
 
 
 def check_score_features(q: np.ndarray, softcap: Any, sinks: Any, alibi_slopes: Any,
-                         return_lse: Any) -> ScoreFeatures:
+                         return_lse: Any) -> ScoreFeatures | None:
     """The soft cap, sinks, ALiBi slopes and log-sum-exp flag of a call, checked
-    against the queries q (..., Hq, L, E)."""
-    heads = q.shape[-3] if q.ndim >= 3 else 1
+    against the queries q (..., Hq, L, E); None when the call uses none of them."""
     lse = check_bool(return_lse, "return_lse")
+    if softcap is None and sinks is None and alibi_slopes is None and not lse:
+        return None
+    heads = q.shape[-3] if q.ndim >= 3 else 1
     cap = None
     if softcap is not None:
         cap = check_real(softcap, "softcap")

@@ -154,16 +154,10 @@ def scaled_dot_product_attention(
         num_threads)
     # half precision: queries, keys and values are read in place and widened by the
     # kernels, which round the float32 result to the input type as they write it
-    if softcap is None and sinks is None and alibi_slopes is None and return_lse is False:
-        res = _core.attention(q, k, v, mask=mask, causal_offset=0 if causal else None, scale=s,
-                              dropout_p=p, seed=seed_value(seed) if p > 0 else 0,
-                              enable_gqa=gqa, return_weights=rw, num_threads=nt)
-    else:
-        res = _core.attention(q, k, v, mask=mask, causal_offset=0 if causal else None, scale=s,
-                              dropout_p=p, seed=seed_value(seed) if p > 0 else 0,
-                              enable_gqa=gqa, return_weights=rw, num_threads=nt,
-                              features=check_score_features(q, softcap, sinks, alibi_slopes,
-                                                            return_lse))
+    features = check_score_features(q, softcap, sinks, alibi_slopes, return_lse)
+    res = _core.attention(q, k, v, mask=mask, causal_offset=0 if causal else None, scale=s,
+                          dropout_p=p, seed=seed_value(seed) if p > 0 else 0, enable_gqa=gqa,
+                          return_weights=rw, num_threads=nt, features=features)
     if half is not None and rw:
         return (res[0], res[1].astype(half)) + tuple(res[2:])
     return res

@@ -128,11 +128,9 @@ def _forward(query: Any, key: Any, value: Any, attn_mask: Any, dropout_p: float,
         _array(query), _array(key), _array(value),
         None if attn_mask is None else _array(attn_mask), dropout_p, is_causal, scale,
         enable_gqa, False, num_threads)
-    features = None
-    if softcap is not None or sinks is not None or alibi_slopes is not None or return_lse:
-        features = check_score_features(
-            q, softcap, None if sinks is None else _small_float_array(sinks),
-            None if alibi_slopes is None else _small_float_array(alibi_slopes), return_lse)
+    features = check_score_features(
+        q, softcap, None if sinks is None else _small_float_array(sinks),
+        None if alibi_slopes is None else _small_float_array(alibi_slopes), return_lse)
     if window is not None:
         window = check_int(window, "window", 1)
         if not causal:
@@ -178,28 +176,6 @@ _LIB.define("scaled_dot_product_attention" + _ARGS + " -> Tensor")
 _LIB.define("scaled_dot_product_attention_lse" + _ARGS + " -> (Tensor, Tensor)")
 
 
-def _op_impl(query: Any, key: Any, value: Any, attn_mask: Any = None,
-             dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None,
-             enable_gqa: bool = False, *, softcap: float | None = None, sinks: Any = None,
-             alibi_slopes: Any = None, window: int | None = None,
-             transpose_out: bool = False, num_threads: int | None = None) -> Any:
-    return _forward(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
-                    softcap, sinks, alibi_slopes, False, transpose_out, window, num_threads)
-
-
-def _op_lse_impl(query: Any, key: Any, value: Any, attn_mask: Any = None,
-                 dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None,
-                 enable_gqa: bool = False, *, softcap: float | None = None, sinks: Any = None,
-                 alibi_slopes: Any = None, window: int | None = None,
-                 transpose_out: bool = False, num_threads: int | None = None) -> Any:
-    return _forward(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
-                    softcap, sinks, alibi_slopes, True, transpose_out, window, num_threads)
-
-
-_LIB.impl("scaled_dot_product_attention", _op_impl, "CPU")
-_LIB.impl("scaled_dot_product_attention_lse", _op_lse_impl, "CPU")
-
-
 def _fake_shapes(query: Any, key: Any, value: Any, enable_gqa: bool, transpose_out: bool
                  ) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
     """(output shape, lse shape) of a call, from the input shapes alone."""
@@ -213,26 +189,35 @@ def _fake_shapes(query: Any, key: Any, value: Any, enable_gqa: bool, transpose_o
     return out, batch + (L,)
 
 
-def _fake(query: Any, key: Any, value: Any, attn_mask: Any = None, dropout_p: float = 0.0,
-          is_causal: bool = False, scale: float | None = None, enable_gqa: bool = False, *,
-          softcap: float | None = None, sinks: Any = None, alibi_slopes: Any = None,
-          window: int | None = None, transpose_out: bool = False,
-          num_threads: int | None = None) -> Any:
-    out, _ = _fake_shapes(query, key, value, enable_gqa, transpose_out)
-    return query.new_empty(out)
+def _kernel(return_lse: bool) -> Any:
+    """The operator's CPU implementation, with the log-sum-exp or without (the keyword-only
+    arguments of the schema arrive as keywords)."""
+    def kernel(query: Any, key: Any, value: Any, attn_mask: Any = None, dropout_p: float = 0.0,
+               is_causal: bool = False, scale: float | None = None, enable_gqa: bool = False,
+               **kw: Any) -> Any:
+        return _forward(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
+                        kw.get("softcap"), kw.get("sinks"), kw.get("alibi_slopes"), return_lse,
+                        kw.get("transpose_out", False), kw.get("window"), kw.get("num_threads"))
+    return kernel
 
 
-def _fake_lse(query: Any, key: Any, value: Any, attn_mask: Any = None, dropout_p: float = 0.0,
-              is_causal: bool = False, scale: float | None = None, enable_gqa: bool = False, *,
-              softcap: float | None = None, sinks: Any = None, alibi_slopes: Any = None,
-              window: int | None = None, transpose_out: bool = False,
-              num_threads: int | None = None) -> Any:
-    out, lse = _fake_shapes(query, key, value, enable_gqa, transpose_out)
-    return query.new_empty(out), query.new_empty(lse, dtype=torch.float32)
+def _fake(return_lse: bool) -> Any:
+    """The operator's fake implementation: empty tensors of the output's (and the
+    log-sum-exp's) shape."""
+    def fake(query: Any, key: Any, value: Any, attn_mask: Any = None, dropout_p: float = 0.0,
+             is_causal: bool = False, scale: float | None = None, enable_gqa: bool = False,
+             **kw: Any) -> Any:
+        out, lse = _fake_shapes(query, key, value, enable_gqa, kw.get("transpose_out", False))
+        if return_lse:
+            return query.new_empty(out), query.new_empty(lse, dtype=torch.float32)
+        return query.new_empty(out)
+    return fake
 
 
-torch.library.register_fake("manyheads::scaled_dot_product_attention", _fake)
-torch.library.register_fake("manyheads::scaled_dot_product_attention_lse", _fake_lse)
+for _name, _lse in (("scaled_dot_product_attention", False),
+                    ("scaled_dot_product_attention_lse", True)):
+    _LIB.impl(_name, _kernel(_lse), "CPU")
+    torch.library.register_fake("manyheads::" + _name, _fake(_lse))
 
 
 def _eager(query: Any) -> bool:
