@@ -263,6 +263,9 @@ typedef struct mh_linear_args {
     const void *bias;
     void *out; int64_t out_row;
     int64_t tile_m, tile_n; /* BLAS tiles (more rows); tile_n: column blocks (few rows) */
+    int w_fmt;              /* w's storage (mh_formats.h): native, or F16, BF16, I8 (f32) */
+    const float *w_scales;  /* I8: (ceil(k / group), n) scales, rows n apart; else NULL */
+    int64_t group;          /* I8: rows of k that share a scale */
     mh_sgemm_fn sgemm;
     mh_dgemm_fn dgemm;
 } mh_linear_args;
@@ -270,9 +273,19 @@ typedef struct mh_linear_args {
 /* Column block `block` of the few-rows path (ISA kernels). */
 typedef void (*mh_linear_rows_fn)(const mh_linear_args *args, int64_t block);
 
+/* Columns [c0, c0 + cols) of w widened to float32 (int8: with their scales) into dst,
+   (k, cols) with rows cols apart (ISA kernels, float32 only). */
+typedef void (*mh_linear_widen_fn)(const mh_linear_args *args, int64_t c0, int64_t cols,
+                                   float *dst);
+
 /* Tile `tile` (row-tile major) of the more-rows path through the BLAS. */
 void mh_linear_tile_f32(const mh_linear_args *args, int64_t tile);
 void mh_linear_tile_f64(const mh_linear_args *args, int64_t tile);
+/* Stripe `stripe` (tile_n columns, every row) of the more-rows path for weights not in
+   float32: the stripe widened into scratch (k * tile_n floats) by `widen`, then one
+   BLAS sgemm. */
+void mh_linear_stripe_f32(const mh_linear_args *args, int64_t stripe, float *scratch,
+                          mh_linear_widen_fn widen);
 
 typedef struct mh_kernel_table {
     const char *name;   /* NULL: this path is not compiled into the build */
@@ -280,6 +293,7 @@ typedef struct mh_kernel_table {
     mh_split_fn split_f32, split_f64;
     mh_merge_fn merge_f32, merge_f64;
     mh_linear_rows_fn linear_rows_f32, linear_rows_f64;
+    mh_linear_widen_fn linear_widen_f32;
     void (*exp_f32)(const float *x, float *y, int64_t n);   /* the path's vector exp */
     void (*exp_f64)(const double *x, double *y, int64_t n);
     const mh_caps *caps_f32, *caps_f64; /* what each instantiation can do */
@@ -293,6 +307,7 @@ typedef struct mh_kernel_table {
         #sfx, mh_block_item_f32_##sfx, mh_block_item_f64_##sfx, mh_split_item_f32_##sfx,    \
         mh_split_item_f64_##sfx, mh_merge_item_f32_##sfx, mh_merge_item_f64_##sfx,          \
         mh_linear_rows_item_f32_##sfx, mh_linear_rows_item_f64_##sfx,                      \
+        mh_linear_widen_f32_##sfx,                                                         \
         mh_exp_array_f32_##sfx, mh_exp_array_f64_##sfx, &mh_caps_f32_##sfx, &mh_caps_f64_##sfx};
 #define MH_EMPTY_TABLE(sfx) const mh_kernel_table mh_table_##sfx = {0};
 
@@ -403,6 +418,19 @@ static inline float mh_bf16_to_float(uint16_t b)
     union { uint32_t u; float f; } r;
     r.u = (uint32_t)b << 16;
     return r.f;
+}
+
+/* Element i of a weight array stored in format fmt (mh_formats.h: F32, F64, F16, BF16,
+   or I8 before its scale), exactly. */
+static inline double mh_weight_at(int fmt, const void *w, int64_t i)
+{
+    switch (fmt) {
+    case MH_STORE_F64: return ((const double *)w)[i];
+    case MH_STORE_F16: return mh_half_to_float(((const uint16_t *)w)[i]);
+    case MH_STORE_BF16: return mh_bf16_to_float(((const uint16_t *)w)[i]);
+    case MH_STORE_I8: return ((const int8_t *)w)[i];
+    default: return ((const float *)w)[i];
+    }
 }
 
 /* float -> IEEE half bits, rounded to nearest even (overflow to infinity,

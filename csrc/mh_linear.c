@@ -1,7 +1,8 @@
 /*
  * The more-rows path of the dense projection: one tile of the output through
  * a BLAS gemm (single-threaded; the caller's OpenMP threads run the tiles).
- * Compiled without ISA flags: it only moves the bias and calls the BLAS.
+ * Compiled without ISA flags: it only moves the bias and calls the BLAS (weights in
+ * another format are widened by the ISA kernels first, a stripe of columns at a time).
  *
  * Row-major out = x @ w is, read column-major, out^T = w^T x^T, so the call is
  * gemm("N", "N", tile_n, tile_m, k, 1, w + n0, w_row, x + m0 * x_row, x_row,
@@ -28,3 +29,20 @@
 void mh_linear_tile_f32(const mh_linear_args *a, int64_t tile) { MH_TILE_BODY(float, sgemm) }
 
 void mh_linear_tile_f64(const mh_linear_args *a, int64_t tile) { MH_TILE_BODY(double, dgemm) }
+
+void mh_linear_stripe_f32(const mh_linear_args *a, int64_t stripe, float *scratch,
+                          mh_linear_widen_fn widen)
+{
+    const int64_t n0 = stripe * a->tile_n;
+    const int cols = (int)(a->n - n0 < a->tile_n ? a->n - n0 : a->tile_n);
+    const int rows = (int)a->m, k = (int)a->k, lx = (int)a->x_row, lo = (int)a->out_row;
+    const float one = 1, zero = 0;
+    const float *bias = (const float *)a->bias;
+    float *out = (float *)a->out + n0;
+    widen(a, n0, cols, scratch);
+    if (bias)
+        for (int r = 0; r < rows; ++r)
+            for (int c = 0; c < cols; ++c) out[r * a->out_row + c] = bias[n0 + c];
+    a->sgemm("N", "N", &cols, &rows, &k, &one, scratch, &cols, (const float *)a->x, &lx,
+             bias ? &one : &zero, out, &lo);
+}

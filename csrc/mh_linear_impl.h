@@ -1,31 +1,58 @@
 /*
  * Few-rows dense projection (decode): out[r][c] = bias[c] + sum_k x[r][k] w[k][c]
- * for up to MH_FEW_ROWS rows, one block of columns (the plan's tile_n) per work item.
- * Instantiated per (ISA, scalar type) by mh_instance.h, with the same
- * macros.  Memory-bound: each row of w's block is read once, as whole vectors,
- * for every input row at once.  Each output element adds k = 0, 1, ... in
- * order with the path's multiply-add, so the column blocking never changes a
- * bit.
+ * for up to MH_FEW_ROWS rows, one block of columns (the plan's tile_n) per work item,
+ * and the widening of a stripe of w for the more-rows path.  Instantiated per (ISA,
+ * scalar type) by mh_instance.h, with the same macros.  Memory-bound: each row of w's
+ * block is read once, as whole vectors, for every input row at once.
+ *
+ * w is stored in a->w_fmt: the native type, or (float32 kernels) float16, bfloat16,
+ * or int8 with one float32 scale per (group of a->group rows of k, column).  Float
+ * formats are widened as they load, so their sums are those of the widened weights,
+ * bit for bit; an int8 group's sums are multiplied by the group's scale and added to
+ * the total after the group.  Each output element adds k = 0, 1, ... in order with
+ * the path's multiply-add, so the column blocking never changes a bit.
  */
 
-/* Columns [c0, c0 + nv*VW) of R rows.  The block's partial sums live in `acc` (L1/L2),
-   and w is read a whole block row at a time, four rows of k per pass: contiguous
-   runs of up to MH_LINEAR_BLOCK_BYTES, which the hardware prefetchers stream at the
-   memory's rate (a few vectors per row of w with a stride of n, as before, touched a
-   new page at every row and read 576 x 49152 float32 at a third of the rate).  Each
-   sum still adds k = 0, 1, ... in order: the bits do not depend on the blocks. */
-static void FN(linear_rows_block)(const mh_linear_args *a, int64_t c0, int64_t nv, const int R)
+/* VW weights of format fmt at element i of w, widened to V (fmt is a constant where
+   this is inlined, so the switch folds away). */
+MH_INLINE V FN(w_load)(const int fmt, const void *w, int64_t i)
 {
-    const T *x = (const T *)a->x, *w = (const T *)a->w + c0, *bias = (const T *)a->bias;
-    const int64_t k = a->k, ld = a->w_row;
-    T *out = (T *)a->out + c0;
-    T acc[MH_FEW_ROWS][MH_LINEAR_BLOCK_BYTES / sizeof(T)];
-    for (int r = 0; r < R; ++r)
-        for (int64_t v = 0; v < nv; ++v)
-            V_STORE(acc[r] + v * VW, bias ? V_LOAD(bias + c0 + v * VW) : V_ZERO());
-    int64_t kk = 0;
-    for (; kk + 4 <= k; kk += 4) {
-        const T *w0 = w + kk * ld, *w1 = w0 + ld, *w2 = w1 + ld, *w3 = w2 + ld;
+    if (fmt == MH_NATIVE) return V_LOAD((const T *)w + i);
+#if MH_HAS_F16_LOAD
+    if (fmt == MH_STORE_F16) return V_LOAD_HALF((const uint16_t *)w + i);
+#endif
+#if MH_HAS_BF16_LOAD
+    if (fmt == MH_STORE_BF16) return V_LOAD_BF16((const uint16_t *)w + i);
+#endif
+#if MH_HAS_I8_LOAD
+    if (fmt == MH_STORE_I8) return V_LOAD_I8((const int8_t *)w + i);
+#endif
+    T lanes[VW];
+    for (int l = 0; l < VW; ++l) lanes[l] = (T)mh_weight_at(fmt, w, i + l);
+    return V_LOAD(lanes);
+}
+
+/* VW float32 scales at s as V (the int8 format serves float32 kernels only). */
+MH_INLINE V FN(scales_load)(const float *s)
+{
+    if (sizeof(T) == sizeof(float)) return V_LOAD((const T *)(const void *)s);
+    T lanes[VW];
+    for (int l = 0; l < VW; ++l) lanes[l] = (T)s[l];
+    return V_LOAD(lanes);
+}
+
+/* acc[r][0, nv*VW) += x[r][kk] * w[kk][c0 + ...] for kk in [k0, k1), in k order: four
+   rows of w per pass, each a contiguous run of the block (up to MH_LINEAR_BLOCK_BYTES
+   of sums, which the hardware prefetchers stream at the memory's rate). */
+MH_INLINE void FN(linear_accumulate)(const int fmt, const mh_linear_args *a, int64_t c0,
+                                     int64_t nv, const int R, int64_t k0, int64_t k1,
+                                     T (*acc)[MH_LINEAR_BLOCK_BYTES / sizeof(T)])
+{
+    const T *x = (const T *)a->x;
+    const int64_t ld = a->w_row;
+    int64_t kk = k0;
+    for (; kk + 4 <= k1; kk += 4) {
+        const int64_t w0 = kk * ld + c0, w1 = w0 + ld, w2 = w1 + ld, w3 = w2 + ld;
         for (int r = 0; r < R; ++r) {
             const T *xr = x + r * a->x_row + kk;
             const V x0 = V_SET1(xr[0]), x1 = V_SET1(xr[1]), x2 = V_SET1(xr[2]),
@@ -33,20 +60,50 @@ static void FN(linear_rows_block)(const mh_linear_args *a, int64_t c0, int64_t n
             T *ar = acc[r];
             for (int64_t v = 0; v < nv; ++v) {
                 const int64_t o = v * VW;
-                V s = V_FMA(x0, V_LOAD(w0 + o), V_LOAD(ar + o));
-                s = V_FMA(x1, V_LOAD(w1 + o), s);
-                s = V_FMA(x2, V_LOAD(w2 + o), s);
-                V_STORE(ar + o, V_FMA(x3, V_LOAD(w3 + o), s));
+                V s = V_FMA(x0, FN(w_load)(fmt, a->w, w0 + o), V_LOAD(ar + o));
+                s = V_FMA(x1, FN(w_load)(fmt, a->w, w1 + o), s);
+                s = V_FMA(x2, FN(w_load)(fmt, a->w, w2 + o), s);
+                V_STORE(ar + o, V_FMA(x3, FN(w_load)(fmt, a->w, w3 + o), s));
             }
         }
     }
-    for (; kk < k; ++kk)
+    for (; kk < k1; ++kk)
         for (int r = 0; r < R; ++r) {
             const V xs = V_SET1(x[r * a->x_row + kk]);
             for (int64_t v = 0; v < nv; ++v)
-                V_STORE(acc[r] + v * VW,
-                        V_FMA(xs, V_LOAD(w + kk * ld + v * VW), V_LOAD(acc[r] + v * VW)));
+                V_STORE(acc[r] + v * VW, V_FMA(xs, FN(w_load)(fmt, a->w, kk * ld + c0 + v * VW),
+                                               V_LOAD(acc[r] + v * VW)));
         }
+}
+
+/* Columns [c0, c0 + nv*VW) of R rows, weights of format fmt; the block's sums live in
+   L1/L2 (at most MH_LINEAR_BLOCK_BYTES of them per row; half of it for int8, whose
+   groups have sums of their own). */
+MH_INLINE void FN(linear_rows_block)(const int fmt, const mh_linear_args *a, int64_t c0,
+                                     int64_t nv, const int R)
+{
+    const T *bias = (const T *)a->bias;
+    T *out = (T *)a->out + c0;
+    T acc[MH_FEW_ROWS][MH_LINEAR_BLOCK_BYTES / sizeof(T)];
+    for (int r = 0; r < R; ++r)
+        for (int64_t v = 0; v < nv; ++v)
+            V_STORE(acc[r] + v * VW, bias ? V_LOAD(bias + c0 + v * VW) : V_ZERO());
+    if (fmt != MH_STORE_I8) {
+        FN(linear_accumulate)(fmt, a, c0, nv, R, 0, a->k, acc);
+    } else {
+        T part[MH_FEW_ROWS][MH_LINEAR_BLOCK_BYTES / sizeof(T)];
+        for (int64_t k0 = 0; k0 < a->k; k0 += a->group) {
+            const int64_t k1 = k0 + a->group < a->k ? k0 + a->group : a->k;
+            const float *scale = a->w_scales + (k0 / a->group) * a->n + c0;
+            for (int r = 0; r < R; ++r)
+                for (int64_t v = 0; v < nv; ++v) V_STORE(part[r] + v * VW, V_ZERO());
+            FN(linear_accumulate)(fmt, a, c0, nv, R, k0, k1, part);
+            for (int r = 0; r < R; ++r)
+                for (int64_t v = 0; v < nv; ++v)
+                    V_STORE(acc[r] + v * VW, V_FMA(FN(scales_load)(scale + v * VW), V_LOAD(part[r] + v * VW),
+                                                   V_LOAD(acc[r] + v * VW)));
+        }
+    }
     for (int r = 0; r < R; ++r)
         for (int64_t v = 0; v < nv; ++v)
             V_STORE(out + r * a->out_row + v * VW, V_LOAD(acc[r] + v * VW));
@@ -56,26 +113,67 @@ static void FN(linear_rows_block)(const mh_linear_args *a, int64_t c0, int64_t n
    vector lanes' own. */
 static void FN(linear_rows_column)(const mh_linear_args *a, int64_t c, int64_t rows)
 {
-    const T *x = (const T *)a->x, *w = (const T *)a->w + c, *bias = (const T *)a->bias;
+    const T *x = (const T *)a->x, *bias = (const T *)a->bias;
+    const int fmt = a->w_fmt;
+    const int64_t group = fmt == MH_STORE_I8 ? a->group : a->k;
     T *out = (T *)a->out + c;
     T lanes[VW];
     for (int64_t r = 0; r < rows; ++r) {
         V acc = V_SET1(bias ? bias[c] : (T)0);
-        for (int64_t kk = 0; kk < a->k; ++kk)
-            acc = V_FMA(V_SET1(x[r * a->x_row + kk]), V_SET1(w[kk * a->w_row]), acc);
+        for (int64_t k0 = 0; k0 < a->k; k0 += group) {
+            const int64_t k1 = k0 + group < a->k ? k0 + group : a->k;
+            V part = fmt == MH_STORE_I8 ? V_ZERO() : acc;
+            for (int64_t kk = k0; kk < k1; ++kk)
+                part = V_FMA(V_SET1(x[r * a->x_row + kk]),
+                             V_SET1((T)mh_weight_at(fmt, a->w, kk * a->w_row + c)), part);
+            acc = fmt == MH_STORE_I8
+                      ? V_FMA(V_SET1((T)a->w_scales[(k0 / group) * a->n + c]), part, acc)
+                      : part;
+        }
         V_STORE(lanes, acc);
         out[r * a->out_row] = lanes[0];
     }
 }
 
 /* mh_linear_rows_fn: columns [block * a->tile_n, ...) of every row (the plan makes a
-   block at most MH_LINEAR_BLOCK_BYTES of a row of w, and a multiple of 16 columns). */
+   block's sums at most MH_LINEAR_BLOCK_BYTES a row, half for int8, and a multiple of
+   16 columns). */
 void FN(mh_linear_rows_item)(const mh_linear_args *a, int64_t block)
 {
     const int64_t start = block * a->tile_n;
     const int64_t end = start + a->tile_n < a->n ? start + a->tile_n : a->n;
     const int64_t nv = (end - start) / VW;
     const int R = a->m < MH_FEW_ROWS ? (int)a->m : MH_FEW_ROWS;
-    if (nv > 0) FN(linear_rows_block)(a, start, nv, R);
+    if (nv > 0) {
+        switch (a->w_fmt) {
+        case MH_STORE_F16: FN(linear_rows_block)(MH_STORE_F16, a, start, nv, R); break;
+        case MH_STORE_BF16: FN(linear_rows_block)(MH_STORE_BF16, a, start, nv, R); break;
+        case MH_STORE_I8: FN(linear_rows_block)(MH_STORE_I8, a, start, nv, R); break;
+        default: FN(linear_rows_block)(MH_NATIVE, a, start, nv, R); break;
+        }
+    }
     for (int64_t c = start + nv * VW; c < end; ++c) FN(linear_rows_column)(a, c, a->m);
+}
+
+/* mh_linear_widen_fn: dst (k, cols) = w[:, c0 : c0 + cols] as T (int8: times its
+   group's scale), rows `cols` apart, for the more-rows path's BLAS. */
+void FN(mh_linear_widen)(const mh_linear_args *a, int64_t c0, int64_t cols, T *dst)
+{
+    const int fmt = a->w_fmt;
+    for (int64_t kk = 0; kk < a->k; ++kk) {
+        T *d = dst + kk * cols;
+        const int64_t at = kk * a->w_row + c0;
+        int64_t c = 0;
+        if (fmt == MH_STORE_I8) {
+            const float *s = a->w_scales + (kk / a->group) * a->n + c0;
+            for (; c + VW <= cols; c += VW)
+                V_STORE(d + c, V_MUL(FN(w_load)(MH_STORE_I8, a->w, at + c), FN(scales_load)(s + c)));
+            for (; c < cols; ++c) d[c] = (T)mh_weight_at(fmt, a->w, at + c) * s[c];
+        } else if (fmt == MH_STORE_F16) {
+            for (; c + VW <= cols; c += VW) V_STORE(d + c, FN(w_load)(MH_STORE_F16, a->w, at + c));
+        } else if (fmt == MH_STORE_BF16) {
+            for (; c + VW <= cols; c += VW) V_STORE(d + c, FN(w_load)(MH_STORE_BF16, a->w, at + c));
+        }
+        for (; c < cols; ++c) d[c] = (T)mh_weight_at(fmt, a->w, at + c);
+    }
 }

@@ -22,8 +22,9 @@ Layout (who owns what):
   released, no validation;
 * ``csrc/`` (C) - the arithmetic: one kernel source instantiated per ISA,
   the run-time dispatcher, the scratch plan and the exp constants;
-* ``_config`` - kernel path and threads; ``interop`` - weights from PyTorch
-  modules; ``models`` - whole models on top of the modules;
+* ``_config`` - kernel path and threads; ``weights`` - projection weights in
+  float16, bfloat16 and int8; ``interop`` - weights from PyTorch modules;
+  ``models`` - whole models on top of the modules;
 * ``torch`` - the kernels on torch tensors, a ``torch.library`` operator;
   ``transformers`` - ``attn_implementation="manyheads"``.  Both import
   torch when they are imported; ``import manyheads`` never does.
@@ -62,6 +63,7 @@ from .functional import (explain, linear, merge_attention,  # noqa: E402
                          scaled_dot_product_attention)
 from .modules import CausalAttention, MultiHeadAttention, StackedMultiHeadAttention  # noqa: E402
 from .plot import head_roles, plot_attention  # noqa: E402
+from .weights import Int8Weight  # noqa: E402
 
 _config._init()
 
@@ -71,6 +73,7 @@ __all__ = [
     "merge_attention",
     "explain",
     "linear",
+    "Int8Weight",
     "CausalAttention",
     "StackedMultiHeadAttention",
     "MultiHeadAttention",

@@ -402,30 +402,48 @@ def _rows_ready(a: np.ndarray) -> np.ndarray:
     return np.array(a, order="C", copy=True)
 
 
-def linear(x: np.ndarray, w: np.ndarray, bias: np.ndarray | None, num_threads: int
-           ) -> np.ndarray:
-    """``x @ w + bias`` for x (..., k), w (k, n), bias (n,) or None, one float dtype.
+def linear(x: np.ndarray, w: Any, bias: np.ndarray | None, num_threads: int) -> np.ndarray:
+    """``x @ w + bias`` for x (..., k), w (k, n), bias (n,) or None.
 
-    Runs on manyheads' threads: a few rows (decode) through the kernels' own
-    memory-bound product, more rows as BLAS tiles (see ``_blas``).  The result
-    is the same bits for any thread count.
+    x, bias and the result share one float dtype; w is of that dtype, or (float32)
+    float16, bfloat16 or an :class:`~manyheads.weights.Int8Weight`, read in place and
+    widened as the kernels load it.  Runs on manyheads' threads: a few rows (decode)
+    through the kernels' own memory-bound product, more rows as BLAS tiles (see
+    ``_blas``; other weight formats are widened a stripe of columns at a time).  The
+    result is the same bits for any thread count.
     """
     lead, k = x.shape[:-1], x.shape[-1]
     x2 = _rows_ready(x.reshape(-1, k))
-    w2 = _rows_ready(w)
-    n = w2.shape[1]
+    fmt, data, scales, group = _weight_parts(w)
+    n = data.shape[1]
     out = np.empty((x2.shape[0], n), dtype=x2.dtype)
     b = bias if bias is None or bias.flags.c_contiguous else np.ascontiguousarray(bias)
     if x2.shape[0] <= _kernels.FEW_ROWS:  # the kernels' own product, no BLAS
-        _kernels.linear(x2, w2, b, out, int(num_threads), _on_main_thread())
+        _kernels.linear(x2, data, b, out, int(num_threads), _on_main_thread(), fmt, scales,
+                        group)
     elif _blas.available():
         with _blas.single_threaded():
-            _kernels.linear(x2, w2, b, out, int(num_threads), _on_main_thread())
+            _kernels.linear(x2, data, b, out, int(num_threads), _on_main_thread(), fmt,
+                            scales, group)
     else:
-        np.matmul(x2, w2, out=out)
+        np.matmul(x2, data if fmt < 0 else _widened(w), out=out)
         if b is not None:
             out += b
     return out.reshape(lead + (n,))
+
+
+def _weight_parts(w: Any) -> tuple[int, np.ndarray, np.ndarray | None, int]:
+    """(storage code or -1 for x's own dtype, the stored array, int8 scales, int8 group)."""
+    if isinstance(w, np.ndarray):
+        name = w.dtype.name
+        if name in ("float16", "bfloat16"):
+            return _formats.FORMATS[name].code, _rows_ready(w.view(np.uint16)), None, 0
+        return -1, _rows_ready(w), None, 0
+    return _formats.FORMATS["int8"].code, _rows_ready(w.data), w.scales, w.group_size
+
+
+def _widened(w: Any) -> np.ndarray:
+    return w.astype(np.float32) if isinstance(w, np.ndarray) else w.dequantize()
 
 
 @functools.lru_cache(maxsize=32)

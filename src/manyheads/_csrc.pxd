@@ -13,6 +13,8 @@ cdef extern from "mh_kernels.h" nogil:
         MH_I4_GROUP
         MH_ISA_COUNT
         MH_STORAGE_COUNT
+        MH_STORE_F32
+        MH_STORE_F64
         MH_STORE_I8
         MH_STORE_I4
         MH_MASK_NONE
@@ -118,12 +120,19 @@ cdef extern from "mh_kernels.h" nogil:
         void *out
         int64_t out_row
         int64_t tile_m, tile_n
+        int w_fmt
+        const float *w_scales
+        int64_t group
         mh_sgemm_fn sgemm
         mh_dgemm_fn dgemm
 
     ctypedef void (*mh_linear_rows_fn)(const mh_linear_args *args, int64_t block) noexcept nogil
     void mh_linear_tile_f32(const mh_linear_args *args, int64_t tile)
     void mh_linear_tile_f64(const mh_linear_args *args, int64_t tile)
+    ctypedef void (*mh_linear_widen_fn)(const mh_linear_args *args, int64_t c0, int64_t cols,
+                                        float *dst) noexcept nogil
+    void mh_linear_stripe_f32(const mh_linear_args *args, int64_t stripe, float *scratch,
+                              mh_linear_widen_fn widen)
 
     ctypedef struct mh_kernel_table:
         const char *name
@@ -135,6 +144,7 @@ cdef extern from "mh_kernels.h" nogil:
         mh_merge_fn merge_f64
         mh_linear_rows_fn linear_rows_f32
         mh_linear_rows_fn linear_rows_f64
+        mh_linear_widen_fn linear_widen_f32
         void (*exp_f32)(const float *x, float *y, int64_t n) noexcept nogil
         void (*exp_f64)(const double *x, double *y, int64_t n) noexcept nogil
         const mh_caps *caps_f32

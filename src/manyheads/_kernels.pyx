@@ -163,6 +163,7 @@ cdef struct Job:
     mh_split_fn split
     mh_merge_fn merge
     mh_linear_rows_fn rows
+    mh_linear_widen_fn widen
     void (*tile)(const mh_linear_args *args, int64_t tile) noexcept nogil
     int64_t n_blocks  # query blocks per pair
     int64_t n_split   # key ranges per pair
@@ -303,21 +304,34 @@ cdef struct LinearPlan:
     int threads
 
 
-cdef LinearPlan _plan_linear(int64_t m, int64_t k, int64_t n, int num_threads, int itemsize):
-    """Work items of out (m, n) = x (m, k) @ w (k, n).  Up to FEW_ROWS rows (the kernels' own
-    product): column blocks of a multiple of 16 columns, each at most LINEAR_BLOCK_BYTES of a
-    row of w, as many as give every thread the same number of blocks.  More rows: BLAS tiles
-    from the shape alone (never the thread count): rows in tiles of up to 256, columns split
-    until there are about 64 tiles, in multiples of 64."""
+cdef int64_t STRIPE_BYTES = 1 << 20  # widened weights per stripe of the more-rows path
+
+
+cdef LinearPlan _plan_linear(int64_t m, int64_t k, int64_t n, int num_threads, int itemsize,
+                             bint grouped=False, bint widened=False):
+    """Work items of out (m, n) = x (m, k) @ w (k, n), sums of ``itemsize`` bytes.  Up to
+    FEW_ROWS rows (the kernels' own product): column blocks of a multiple of 16 columns,
+    each with at most LINEAR_BLOCK_BYTES of sums a row (half that with ``grouped``
+    int8 scales), as many as give every thread the same number of blocks.  More rows:
+    BLAS tiles from the shape alone (never the thread count): rows in tiles of up to
+    256, columns split until there are about 64 tiles, in multiples of 64; with
+    ``widened`` weights (not float32), stripes of every row and a multiple of 64
+    columns, about an eighth of n and at most STRIPE_BYTES of widened weights."""
     cdef LinearPlan p
-    cdef int64_t m_tiles, n_tiles, target = 64, blocks, share
+    cdef int64_t m_tiles, n_tiles, target = 64, blocks, share, limit
     p.tile_m = p.tile_n = 0
     if m <= MH_FEW_ROWS:
-        blocks = (n * itemsize + MH_LINEAR_BLOCK_BYTES - 1) // MH_LINEAR_BLOCK_BYTES
+        limit = MH_LINEAR_BLOCK_BYTES // (2 * itemsize if grouped else itemsize)
+        blocks = (n + limit - 1) // limit
         share = max(1, min(num_threads, (n + 15) // 16))
         blocks = (blocks + share - 1) // share * share
         p.tile_m = m
         p.tile_n = ((n + blocks - 1) // blocks + 15) // 16 * 16
+        p.n_items = (n + p.tile_n - 1) // p.tile_n
+    elif widened:
+        p.tile_m = m
+        limit = max(64, STRIPE_BYTES // (4 * max(k, 1)) // 64 * 64)
+        p.tile_n = min(limit, ((n + 7) // 8 + 63) // 64 * 64)
         p.n_items = (n + p.tile_n - 1) // p.tile_n
     else:
         p.tile_m = m if m < 256 else 256
@@ -332,25 +346,38 @@ cdef LinearPlan _plan_linear(int64_t m, int64_t k, int64_t n, int num_threads, i
     return p
 
 
-def explain_linear(int64_t m, int64_t k, int64_t n, int num_threads, int itemsize=4):
-    """The plan of :func:`linear` for these sizes (and bytes per element), as a dict: a
-    tile is (rows, columns) of the output per work item."""
-    cdef LinearPlan p = _plan_linear(m, k, n, num_threads, itemsize)
-    return {"path": "few rows" if m <= MH_FEW_ROWS else "BLAS tiles", "work_items": p.n_items,
-            "tile": (p.tile_m, p.tile_n), "threads": p.threads}
+def explain_linear(int64_t m, int64_t k, int64_t n, int num_threads, int itemsize=4,
+                   weight_format="float32", bint grouped=False):
+    """The plan of :func:`linear` for these sizes (bytes per sum, the weights' storage
+    format, int8 scales in groups), as a dict: a tile is (rows, columns) of the output
+    per work item."""
+    cdef bint widened = weight_format not in ("float32", "float64")
+    cdef LinearPlan p = _plan_linear(m, k, n, num_threads, itemsize, grouped, widened)
+    path = "few rows" if m <= MH_FEW_ROWS else ("widened stripes" if widened else "BLAS tiles")
+    return {"path": path, "work_items": p.n_items, "tile": (p.tile_m, p.tile_n),
+            "threads": p.threads}
 
 
-def linear(x, w, bias, out, int num_threads, bint check_signals=False):
-    """out (m, n) = x (m, k) @ w (k, n) (+ bias (n,)), all of one float dtype.
+cdef void _stripe_item(const Job *j, int64_t it, char *scratch) noexcept nogil:
+    mh_linear_stripe_f32(j.lin, it, <float *>scratch, j.widen)
 
-    x, w and out have contiguous rows (row strides are read from the arrays);
-    more than FEW_ROWS rows need the BLAS set by :func:`set_blas`.
+
+def linear(x, w, bias, out, int num_threads, bint check_signals=False, int w_fmt=-1,
+           scales=None, int64_t group=0):
+    """out (m, n) = x (m, k) @ w (k, n) (+ bias (n,)), x, bias and out of one float dtype.
+
+    w is of that dtype too (``w_fmt`` -1), or, for float32, stored in format ``w_fmt``
+    (a storage code: float16, bfloat16 as uint16 bits, or int8 with float32 ``scales``
+    (ceil(k / group), n), contiguous).  x, w and out have contiguous rows (row strides are
+    read from the arrays); more than FEW_ROWS rows need the BLAS set by :func:`set_blas`.
     """
     cdef mh_linear_args a
     cdef Job job
     cdef cnp.ndarray xa = x, wa = w, oa = out
     cdef bint f64 = oa.dtype.itemsize == 8
     cdef LinearPlan p
+    cdef void *raw = NULL
+    cdef bint native
     a.m = xa.shape[0]
     a.k = xa.shape[1]
     a.n = wa.shape[1]
@@ -358,6 +385,9 @@ def linear(x, w, bias, out, int num_threads, bint check_signals=False):
     a.x_row = xa.strides[0] // xa.itemsize
     a.w = _data(wa)
     a.w_row = wa.strides[0] // wa.itemsize
+    a.w_fmt = w_fmt if w_fmt >= 0 else (MH_STORE_F64 if f64 else MH_STORE_F32)
+    a.w_scales = <const float *>_data(scales) if scales is not None else NULL
+    a.group = group if group > 0 else a.k
     a.bias = _data(bias) if bias is not None else NULL
     a.out = _data(oa)
     a.out_row = oa.strides[0] // oa.itemsize
@@ -368,7 +398,9 @@ def linear(x, w, bias, out, int num_threads, bint check_signals=False):
     job.stride = 0
     if a.m == 0 or a.n == 0:
         return
-    p = _plan_linear(a.m, a.k, a.n, num_threads, oa.dtype.itemsize)
+    native = a.w_fmt == MH_STORE_F32 or a.w_fmt == MH_STORE_F64
+    p = _plan_linear(a.m, a.k, a.n, num_threads, oa.dtype.itemsize,
+                     a.w_fmt == MH_STORE_I8, not native)
     a.tile_m = p.tile_m
     a.tile_n = p.tile_n
     if a.m <= MH_FEW_ROWS:
@@ -377,8 +409,21 @@ def linear(x, w, bias, out, int num_threads, bint check_signals=False):
         return
     if not has_blas():
         raise RuntimeError("no BLAS set for projections of more than FEW_ROWS rows")
-    job.tile = mh_linear_tile_f64 if f64 else mh_linear_tile_f32
-    _run_items(&job, _tile_item, p.n_items, p.threads, check_signals)
+    if native:
+        job.tile = mh_linear_tile_f64 if f64 else mh_linear_tile_f32
+        _run_items(&job, _tile_item, p.n_items, p.threads, check_signals)
+        return
+    job.widen = _table.linear_widen_f32
+    job.stride = (a.k * p.tile_n * sizeof(float) + MH_SCRATCH_ALIGN - 1) \
+        // MH_SCRATCH_ALIGN * MH_SCRATCH_ALIGN
+    raw = malloc(job.stride * p.threads + MH_SCRATCH_ALIGN)
+    if raw == NULL:
+        raise MemoryError("cannot allocate the widened weights' scratch")
+    try:
+        job.scratch = <char *>mh_scratch_align(raw)
+        _run_items(&job, _stripe_item, p.n_items, p.threads, check_signals)
+    finally:
+        free(raw)
 
 
 cdef void _batch_offsets(cnp.ndarray view, int n_batch, int64_t *out) noexcept:

@@ -13,6 +13,7 @@ import numpy as np
 
 from . import _config, _core
 from ._core import CallPlan, ItemPlan
+from .weights import weight_format
 from ._validate import (ATTENTION_DTYPES_TEXT, FLOAT_DTYPES,
                         as_attention_array, as_float_array, check_bool,
                         check_dropout, check_optional_real, check_score_features, is_half,
@@ -298,26 +299,37 @@ def linear(x: Any, weight: Any, bias: Any = None, *, num_threads: int | None = N
     Parameters
     ----------
     x : ndarray, shape (..., in_features)
-    weight : ndarray, shape (in_features, out_features)
+    weight : ndarray or Int8Weight, shape (in_features, out_features)
+        Of x's dtype, or, with float32 x, stored in its own precision and read in
+        place: float16, ``ml_dtypes.bfloat16`` or an
+        :class:`~manyheads.weights.Int8Weight` (int8 with float32 scales).  A
+        half-precision weight gives the bits of the same product with the weight
+        widened to float32 first.
     bias : ndarray, shape (out_features,), optional
-        All float32 or all float64.
+        Of x's dtype (float32 or float64).
     num_threads : int, optional, keyword-only
         Threads for this call; defaults to :func:`manyheads.get_num_threads`.
 
     Returns
     -------
-    ndarray, shape (..., out_features)
+    ndarray, shape (..., out_features), of x's dtype
     """
     xa = as_float_array(x, "x")
-    w = as_float_array(weight, "weight")
+    fmt = weight_format(weight)
+    w = weight if fmt in ("int8", "float16", "bfloat16") else as_float_array(weight, "weight")
     b = None if bias is None else as_float_array(bias, "bias")
-    if w.dtype != xa.dtype or (b is not None and b.dtype != xa.dtype):
-        raise TypeError(f"x, weight and bias must share one dtype; got {xa.dtype}, {w.dtype}"
+    if fmt in ("float32", "float64"):
+        if w.dtype != xa.dtype or (b is not None and b.dtype != xa.dtype):
+            raise TypeError(f"x, weight and bias must share one dtype; got {xa.dtype}, "
+                            f"{w.dtype}" + ("" if b is None else f", {b.dtype}"))
+    elif xa.dtype != np.float32 or (b is not None and b.dtype != np.float32):
+        raise TypeError(f"a {fmt} weight needs float32 x and bias; got {xa.dtype}"
                         + ("" if b is None else f", {b.dtype}"))
-    if xa.ndim < 1 or w.ndim != 2 or xa.shape[-1] != w.shape[0]:
+    shape = w.shape
+    if xa.ndim < 1 or len(shape) != 2 or xa.shape[-1] != shape[0]:
         raise ValueError(f"weight must have shape (in_features, out_features) = "
                          f"({xa.shape[-1] if xa.ndim else '?'}, n); got x {xa.shape} and "
-                         f"weight {w.shape}")
-    if b is not None and b.shape != (w.shape[1],):
-        raise ValueError(f"bias must have shape ({w.shape[1]},), got {b.shape}")
+                         f"weight {tuple(shape)}")
+    if b is not None and b.shape != (shape[1],):
+        raise ValueError(f"bias must have shape ({shape[1]},), got {b.shape}")
     return _core.linear(xa, w, b, _config.resolve_num_threads(num_threads))

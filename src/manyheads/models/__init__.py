@@ -25,7 +25,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from ._checkpoint import Checkpoint, read_config
+from ._checkpoint import WEIGHT_DTYPES, Checkpoint, read_config
 from ._decoder import DecoderModel
 from ._hub import resolve_checkpoint
 from .gemma import Gemma2, Gemma3
@@ -52,9 +52,9 @@ REFUSED = {
 }
 
 
-def from_pretrained(path: str | os.PathLike[str], *, revision: str | None = None
-                    ) -> DecoderModel:
-    """The model of a checkpoint folder or Hugging Face Hub id, weights in float32.
+def from_pretrained(path: str | os.PathLike[str], *, revision: str | None = None,
+                    weight_dtype: str = "float32") -> DecoderModel:
+    """The model of a checkpoint folder or Hugging Face Hub id.
 
     Parameters
     ----------
@@ -65,9 +65,17 @@ def from_pretrained(path: str | os.PathLike[str], *, revision: str | None = None
         folder exists, a Hub id ``org/name``, read from the local Hugging Face
         cache or else downloaded into it (only the files needed), with
         ``huggingface_hub`` (the ``hub`` extra).
-        float16 and bfloat16 weights are widened to float32 as they load.
     revision : str, optional
         With a Hub id: the branch, tag or commit hash (default: ``main``).
+    weight_dtype : {"float32", "auto", "bfloat16", "float16", "int8"}, optional
+        How the projections and embeddings are held (norms and biases stay
+        float32; activations are float32 throughout).  ``"float32"`` (default)
+        widens every weight; ``"auto"`` keeps each tensor's precision in the
+        file (a bfloat16 checkpoint stays bfloat16: half the memory, and half
+        the bytes each decoded token reads); ``"bfloat16"`` and ``"float16"``
+        round to that; ``"int8"`` quantises each output column symmetrically
+        (``max|w| / 127``) as it loads, about a quarter of float32.  Weights are
+        read a slice at a time, so loading holds little beyond the result.
 
     Returns
     -------
@@ -88,6 +96,9 @@ def from_pretrained(path: str | os.PathLike[str], *, revision: str | None = None
     OSError
         A Hub id that is neither cached nor downloadable.
     """
+    if weight_dtype not in WEIGHT_DTYPES:
+        raise ValueError(f"weight_dtype must be one of {', '.join(map(repr, WEIGHT_DTYPES))}, "
+                         f"got {weight_dtype!r}")
     path = resolve_checkpoint(path, revision)
     cfg = read_config(path)
     kind = cfg["model_type"]
@@ -97,5 +108,6 @@ def from_pretrained(path: str | os.PathLike[str], *, revision: str | None = None
         raise ValueError(f"model_type {kind!r} is not supported; supported: "
                          f"{', '.join(sorted(ARCHITECTURES))}")
     with Checkpoint(path) as ckpt:
+        ckpt.weight_dtype = weight_dtype
         model: DecoderModel = ARCHITECTURES[kind](cfg, ckpt)
     return model

@@ -1,7 +1,8 @@
 """Reading a checkpoint folder: ``config.json`` and ``*.safetensors`` (one file or shards).
 
 Nothing here knows an architecture.  :class:`Checkpoint` opens every shard with
-safetensors' NumPy API and hands out float32 arrays by tensor name; bfloat16
+safetensors' NumPy API and hands out float32 arrays by tensor name, and projection
+weights in the precision asked for, read a slice at a time; bfloat16
 tensors need ``ml_dtypes`` (imported only when such a tensor is met) because
 NumPy has no bfloat16 of its own.  The optional packages are imported lazily,
 so ``import manyheads`` never needs them; a missing one is an ImportError that
@@ -15,8 +16,11 @@ from typing import Any, Callable
 
 import numpy as np
 
+from .. import _formats
+from ..weights import Int8Weight, convert_weight
+
 __all__ = ["TensorSource", "Checkpoint", "ArrayTensors", "read_config", "config_int", "config_float",
-           "require_package"]
+           "require_package", "WEIGHT_DTYPES"]
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -97,16 +101,31 @@ def config_float(cfg: dict[str, Any], *names: str, default: float | None = None)
         and bool(np.isfinite(v)) and v > 0, default))
 
 
+WEIGHT_DTYPES = ("float32", "bfloat16", "float16", "int8", "auto")
+_ROWS_PER_READ = 4096  # rows of a weight read, converted and placed at a time
+
+
 class TensorSource:
-    """Named weights handed out as float32 arrays (what the architectures read from)."""
+    """Named weights: norms, biases and positions as float32 arrays (:meth:`get`), and
+    projections and embeddings stored as ``weight_dtype`` says (:meth:`linear`)."""
 
     origin = "weights"
+    # storage of projections: float32, bfloat16, float16, int8 (per output column
+    # scales), or auto (the tensor's own float precision)
+    weight_dtype = "float32"
 
     def __contains__(self, name: object) -> bool:
         raise NotImplementedError
 
     def _read(self, name: str) -> np.ndarray:
         raise NotImplementedError
+
+    def _shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._read(name).shape)
+
+    def _rows(self, name: str, start: int, stop: int) -> np.ndarray:
+        """Rows [start, stop) of tensor ``name`` in its stored float dtype."""
+        return self._read(name)[start:stop]
 
     def get(self, name: str, shape: tuple[int, ...] | None = None) -> np.ndarray:
         """Tensor ``name`` as a float32 array; ValueError if absent or of another shape."""
@@ -115,11 +134,41 @@ class TensorSource:
         out = self._read(name)
         if shape is not None and out.shape != shape:
             raise ValueError(f"tensor {name!r} has shape {out.shape}, the config implies {shape}")
-        return out
+        return np.asarray(out, dtype=np.float32)
 
-    def linear(self, name: str, d_in: int, d_out: int) -> np.ndarray:
-        """A PyTorch ``nn.Linear`` weight (d_out, d_in) as a contiguous (d_in, d_out) array."""
-        return np.ascontiguousarray(self.get(name, (d_out, d_in)).T)
+    def linear(self, name: str, d_in: int, d_out: int, transposed: bool = True) -> Any:
+        """A weight for ``x @ W``, (d_in, d_out), stored as :attr:`weight_dtype`: a
+        contiguous ndarray or an :class:`~manyheads.weights.Int8Weight`.  The tensor is
+        a PyTorch ``nn.Linear`` weight (d_out, d_in), or with ``transposed`` False
+        already (d_in, d_out) (GPT-2's Conv1D).  It is read a few thousand rows at a
+        time, converted and placed, so loading holds little beyond the result."""
+        if name not in self:
+            raise ValueError(f"{self.origin} has no tensor {name!r}")
+        stored = self._shape(name)
+        want = (d_out, d_in) if transposed else (d_in, d_out)
+        if stored != want:
+            raise ValueError(f"tensor {name!r} has shape {stored}, the config implies {want}")
+        first = self._rows(name, 0, min(1, want[0]))
+        target = self.weight_dtype
+        if target == "auto":
+            target = first.dtype.name if first.dtype.name in WEIGHT_DTYPES else "float32"
+        if not transposed:  # rows are input features: whole columns need the whole tensor
+            return convert_weight(self._rows(name, 0, d_in), target)
+        if target == "int8":  # per output column scales: a column is a row of the tensor
+            data = np.empty((d_in, d_out), np.int8)
+            scales = np.empty((1, d_out), np.float32)
+        else:
+            out = np.empty((d_in, d_out), _formats.FORMATS[target].dtype)
+        for start in range(0, d_out, _ROWS_PER_READ):
+            cols = slice(start, min(start + _ROWS_PER_READ, d_out))
+            block = self._rows(name, cols.start, cols.stop).T
+            if target == "int8":
+                q = Int8Weight.quantize(block)
+                data[:, cols] = q.data
+                scales[:, cols] = q.scales
+            else:
+                out[:, cols] = block
+        return Int8Weight(data, scales, d_in) if target == "int8" else out
 
 
 class ArrayTensors(TensorSource):
@@ -127,14 +176,16 @@ class ArrayTensors(TensorSource):
 
     origin = "the state dict"
 
-    def __init__(self, arrays: dict[str, np.ndarray]) -> None:
+    def __init__(self, arrays: dict[str, np.ndarray], weight_dtype: str = "float32") -> None:
         self.arrays = arrays
+        self.weight_dtype = weight_dtype
 
     def __contains__(self, name: object) -> bool:
         return name in self.arrays
 
     def _read(self, name: str) -> np.ndarray:
-        return np.asarray(self.arrays[name], dtype=np.float32)
+        arr = np.asarray(self.arrays[name])
+        return arr if arr.dtype.kind == "f" else arr.astype(np.float32)
 
 
 class Checkpoint(TensorSource):
@@ -206,7 +257,22 @@ class Checkpoint(TensorSource):
             # NumPy alone has no such dtype; ml_dtypes registers it for safetensors
             require_package("ml_dtypes", "reading a bfloat16 or float8 checkpoint")
         arr = handle.get_tensor(name)
+        self._check_float(name, arr)
+        return np.asarray(arr)
+
+    def _check_float(self, name: str, arr: np.ndarray) -> None:
         if arr.dtype.kind in "iub":
             raise ValueError(f"tensor {name!r} has dtype {arr.dtype}; expected floating point "
                              "weights (quantised checkpoints are not supported)")
-        return np.asarray(arr, dtype=np.float32)
+
+    def _shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._files[self._where[name]].get_slice(name).get_shape())
+
+    def _rows(self, name: str, start: int, stop: int) -> np.ndarray:
+        handle = self._files[self._where[name]]
+        piece = handle.get_slice(name)
+        if piece.get_dtype() in ("BF16", "F8_E4M3", "F8_E5M2"):
+            require_package("ml_dtypes", "reading a bfloat16 or float8 checkpoint")
+        arr = np.asarray(piece[start:stop])
+        self._check_float(name, arr)
+        return arr

@@ -26,6 +26,7 @@ import numpy as np
 from ..cache import KVCache
 from ..functional import linear
 from ..modules import MultiHeadAttention
+from ..weights import gather_columns
 from ._sampling import check_sampling, check_stop, choose, process_logits, token_ids
 
 __all__ = ["DecoderModel", "Block", "rms_norm", "layer_norm", "eos_of"]
@@ -108,18 +109,16 @@ class DecoderModel:
     d_ff: int
     tied_embeddings: bool
     blocks: Sequence[Block]
-    head: np.ndarray  # (d_model, vocab): the LM head in x @ W form, contiguous
+    head: Any  # (d_model, vocab): the LM head in x @ W form, in the weights' format
     eos_token_id: int | None = None
     learned_positions = False  # True: _embed reads the tokens' absolute positions
     final_softcap: float | None = None  # c of the logits' soft cap c tanh(z / c) (Gemma)
 
-    def _token_rows(self, table: np.ndarray | None, ids: np.ndarray) -> np.ndarray:
-        """Rows ``ids`` of the token embedding ``table``, or with tied embeddings (None)
-        the LM head's columns: a new (B, T, d_model) array."""
-        if table is not None:
-            rows: np.ndarray = table[ids]
-            return rows
-        return np.ascontiguousarray(np.moveaxis(self.head[:, ids], 0, -1))
+    def _token_rows(self, table: Any, ids: np.ndarray) -> np.ndarray:
+        """Tokens ``ids`` of the token embedding ``table``, held as (d_model, vocab)
+        columns in any weight format, or with tied embeddings (None) the LM head's
+        columns: a new (B, T, d_model) float32 array."""
+        return gather_columns(self.head if table is None else table, ids)
 
     # -- supplied by each architecture -------------------------------------------------
     def _embed(self, ids: np.ndarray, positions: np.ndarray | None) -> np.ndarray:

@@ -112,14 +112,12 @@ class GPT2(DecoderModel):
         by_layer = bool(cfg.get("scale_attn_by_inverse_layer_idx", False))
 
         p = "transformer." if "transformer.wte.weight" in ckpt else ""
-        wte = ckpt.get(p + "wte.weight", (self.vocab_size, d))
+        # wte (vocab, d) is held as (d, vocab) columns, the LM head itself when tied
+        wte = ckpt.linear(p + "wte.weight", d, self.vocab_size)
         self.wpe = ckpt.get(p + "wpe.weight", (self.context_length, d))
-        if self.tied_embeddings:
-            self.head = np.ascontiguousarray(wte.T)
-            self.wte: np.ndarray | None = None  # rows are read from the head's columns
-        else:
-            self.head = ckpt.linear("lm_head.weight", d, self.vocab_size)
-            self.wte = wte
+        self.wte: Any = None if self.tied_embeddings else wte
+        self.head = wte if self.tied_embeddings else \
+            ckpt.linear("lm_head.weight", d, self.vocab_size)
         del wte
         self.blocks: list[GPT2Block] = []
         for i in range(self.num_layers):
@@ -130,18 +128,18 @@ class GPT2(DecoderModel):
                                                                             else 1)
             attn = MultiHeadAttention(d, d, self.context_length, 0.0, H, qkv_bias=True,
                                       scale=scale, seed=0)
-            attn.W_qkv[...] = ckpt.get(b + "attn.c_attn.weight", (d, 3 * d))
+            attn.W_qkv = ckpt.linear(b + "attn.c_attn.weight", d, 3 * d, transposed=False)
             assert attn.b_qkv is not None
             attn.b_qkv[...] = ckpt.get(b + "attn.c_attn.bias", (3 * d,))
-            attn.W_out[...] = ckpt.get(b + "attn.c_proj.weight", (d, d))
+            attn.W_out = ckpt.linear(b + "attn.c_proj.weight", d, d, transposed=False)
             attn.b_out[...] = ckpt.get(b + "attn.c_proj.bias", (d,))
             self.blocks.append(GPT2Block(
                 attn,
                 (ckpt.get(b + "ln_1.weight", (d,)), ckpt.get(b + "ln_1.bias", (d,))),
                 (ckpt.get(b + "ln_2.weight", (d,)), ckpt.get(b + "ln_2.bias", (d,))),
-                (ckpt.get(b + "mlp.c_fc.weight", (d, self.d_ff)),
+                (ckpt.linear(b + "mlp.c_fc.weight", d, self.d_ff, transposed=False),
                  ckpt.get(b + "mlp.c_fc.bias", (self.d_ff,))),
-                (ckpt.get(b + "mlp.c_proj.weight", (self.d_ff, d)),
+                (ckpt.linear(b + "mlp.c_proj.weight", self.d_ff, d, transposed=False),
                  ckpt.get(b + "mlp.c_proj.bias", (d,))),
                 self.eps, exact_gelu=self.activation == "gelu"))
         self.ln_f = (ckpt.get(p + "ln_f.weight", (d,)), ckpt.get(p + "ln_f.bias", (d,)))

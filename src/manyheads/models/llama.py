@@ -34,6 +34,7 @@ from ..functional import linear
 from ..modules import MultiHeadAttention
 from ._checkpoint import TensorSource, config_float, config_int
 from ._decoder import DecoderModel, eos_of, rms_norm
+from ..weights import join_columns
 from ._rope import LAYER_TYPES, Rotary, rope_parameters_of
 from .gpt2 import gelu_erf, gelu_tanh
 
@@ -155,14 +156,13 @@ class Llama(DecoderModel):
         self._read_config(cfg)
         d, H, Hkv, D, F = self.d_model, self.num_heads, self.num_kv_heads, self.head_dim, self.d_ff
         prefix = "model." if "model.embed_tokens.weight" in ckpt else ""
-        embed = ckpt.get(f"{prefix}embed_tokens.weight", (self.vocab_size, d))
+        # the token embedding (vocab, d) is held as (d, vocab) columns in the weights'
+        # format: with tied embeddings it is the LM head itself
+        embed = ckpt.linear(f"{prefix}embed_tokens.weight", d, self.vocab_size)
         self.tied_embeddings = self.tie
-        if self.tied_embeddings:
-            self.head = np.ascontiguousarray(embed.T)
-            self.embed: np.ndarray | None = None  # rows are read from the head's columns
-        else:
-            self.head = ckpt.linear("lm_head.weight", d, self.vocab_size)
-            self.embed = embed
+        self.embed: Any = None if self.tied_embeddings else embed
+        self.head = embed if self.tied_embeddings else \
+            ckpt.linear("lm_head.weight", d, self.vocab_size)
         del embed
         norm_names = {"attn": "input_layernorm", "mlp": "post_attention_layernorm"}
         if self.gemma:
@@ -198,27 +198,25 @@ class Llama(DecoderModel):
         d, H, Hkv, D = self.d_model, self.num_heads, self.num_kv_heads, self.head_dim
         widths = (H * D, Hkv * D, Hkv * D)
         if p + "qkv_proj.weight" in ckpt:  # fused (Phi-3): q, k, v rows one after another
-            attn.W_qkv[...] = ckpt.linear(p + "qkv_proj.weight", d, sum(widths))
+            attn.W_qkv = ckpt.linear(p + "qkv_proj.weight", d, sum(widths))
         else:
-            attn.W_qkv[...] = np.concatenate(
-                [ckpt.linear(p + f"{n}_proj.weight", d, w) for n, w in zip("qkv", widths)],
-                axis=1)
+            attn.W_qkv = join_columns(
+                [ckpt.linear(p + f"{n}_proj.weight", d, w) for n, w in zip("qkv", widths)])
             if attn.b_qkv is not None:
                 attn.b_qkv[...] = np.concatenate(
                     [ckpt.get(p + f"{n}_proj.bias", (w,)) for n, w in zip("qkv", widths)])
-        attn.W_out[...] = ckpt.linear(p + "o_proj.weight", H * D, d)
+        attn.W_out = ckpt.linear(p + "o_proj.weight", H * D, d)
         if self.o_bias:
             attn.b_out[...] = ckpt.get(p + "o_proj.bias", (d,))
 
     def _read_mlp(self, ckpt: TensorSource, p: str
-                  ) -> tuple[np.ndarray, np.ndarray | None, np.ndarray, np.ndarray | None]:
+                  ) -> tuple[Any, np.ndarray | None, Any, np.ndarray | None]:
         d, F = self.d_model, self.d_ff
         if p + "gate_up_proj.weight" in ckpt:  # fused (Phi-3): gate rows, then up rows
             w_gu = ckpt.linear(p + "gate_up_proj.weight", d, 2 * F)
         else:
-            w_gu = np.empty((d, 2 * F), dtype=np.float32)
-            w_gu[:, :F] = ckpt.linear(p + "gate_proj.weight", d, F)
-            w_gu[:, F:] = ckpt.linear(p + "up_proj.weight", d, F)
+            w_gu = join_columns([ckpt.linear(p + f"{n}_proj.weight", d, F)
+                                 for n in ("gate", "up")])
         b_gu = b_down = None
         if self.mlp_bias:
             b_gu = np.concatenate([ckpt.get(p + "gate_proj.bias", (F,)),

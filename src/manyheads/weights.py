@@ -1,0 +1,148 @@
+"""Projection weights in their own precision: float16, bfloat16 and int8.
+
+:func:`manyheads.linear` reads a weight ``(in_features, out_features)`` stored as
+float32, float64, float16, bfloat16 (``ml_dtypes.bfloat16``) or as an
+:class:`Int8Weight`, in place: the kernels widen each vector of weights as they load
+it, so a half-precision weight is read at half the bytes of float32 and an int8
+weight at about a quarter.  :func:`convert_weight` makes any of them from a float
+array; the model runner uses it for ``from_pretrained(..., weight_dtype=...)``.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from . import _formats
+
+__all__ = ["Int8Weight", "WEIGHT_DTYPES", "convert_weight", "weight_format", "join_columns",
+           "gather_columns"]
+
+WEIGHT_DTYPES = ("float32", "bfloat16", "float16", "int8")
+
+
+class Int8Weight:
+    """A weight ``(k, n)`` quantised to int8 with float32 scales, symmetric.
+
+    ``value[i, j] = data[i, j] * scales[i // group_size, j]``: one scale per output
+    column (``group_size`` = k, PyTorch's per-channel quantisation) or per group of
+    ``group_size`` input rows and output column (llama.cpp's Q8_0 uses groups of 32
+    along the input).  Build one with :meth:`quantize`.
+
+    Attributes
+    ----------
+    data : ndarray of int8, shape (k, n)
+    scales : ndarray of float32, shape (ceil(k / group_size), n)
+    group_size : int
+    """
+
+    __slots__ = ("data", "scales", "group_size")
+
+    def __init__(self, data: np.ndarray, scales: np.ndarray, group_size: int) -> None:
+        if not isinstance(data, np.ndarray) or data.dtype != np.int8 or data.ndim != 2:
+            raise TypeError("data must be a 2-D int8 array (in_features, out_features)")
+        k, n = data.shape
+        if not isinstance(group_size, (int, np.integer)) or not 1 <= group_size <= max(k, 1):
+            raise ValueError(f"group_size must be an int in [1, {k}], got {group_size!r}")
+        groups = -(-k // int(group_size)) if k else 0
+        if (not isinstance(scales, np.ndarray) or scales.dtype != np.float32
+                or scales.shape != (groups, n)):
+            raise TypeError(f"scales must be a float32 array of shape ({groups}, {n})")
+        self.data = np.ascontiguousarray(data)
+        self.scales = np.ascontiguousarray(scales)
+        self.group_size = int(group_size)
+
+    @classmethod
+    def quantize(cls, w: Any, group_size: int | None = None) -> "Int8Weight":
+        """``w`` (k, n) rounded to int8 with scale ``max|w| / 127`` per output column
+        (``group_size`` None) or per group of ``group_size`` rows and column."""
+        a = np.asarray(w)
+        if a.ndim != 2 or a.dtype.kind != "f":
+            raise TypeError(f"w must be a 2-D float array, got {a.dtype} of shape {a.shape}")
+        k, n = a.shape
+        g = k if group_size is None else group_size
+        if not isinstance(g, (int, np.integer)) or isinstance(g, bool) or not 1 <= g <= max(k, 1):
+            raise ValueError(f"group_size must be None or an int in [1, {k}], got {group_size!r}")
+        g = max(int(g), 1)
+        groups = -(-k // g)
+        data = np.empty((k, n), np.int8)
+        scales = np.empty((groups, n), np.float32)
+        for i in range(groups):
+            part = a[i * g:(i + 1) * g].astype(np.float32)
+            amax = np.max(np.abs(part), axis=0)
+            scale = (amax / np.float32(127)).astype(np.float32)
+            inv = np.divide(np.float32(1), scale, out=np.zeros_like(scale), where=scale > 0)
+            data[i * g:(i + 1) * g] = np.clip(np.rint(part * inv), -127, 127)
+            scales[i] = scale
+        return cls(data, scales, g)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """(in_features, out_features)."""
+        return (int(self.data.shape[0]), int(self.data.shape[1]))
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held: the int8 values and their scales."""
+        return int(self.data.nbytes + self.scales.nbytes)
+
+    def dequantize(self) -> np.ndarray:
+        """The float32 weight these values and scales stand for."""
+        return self.columns(slice(None))
+
+    def columns(self, cols: Any) -> np.ndarray:
+        """Columns ``cols`` (an index or slice of the output axis) as float32, (k, len)."""
+        scales = np.repeat(self.scales[:, cols], self.group_size, axis=0)[: self.shape[0]]
+        return self.data[:, cols].astype(np.float32) * scales
+
+    def __repr__(self) -> str:
+        k, n = self.shape
+        return f"Int8Weight(shape=({k}, {n}), group_size={self.group_size})"
+
+
+def weight_format(w: Any) -> str:
+    """The storage of a weight :func:`manyheads.linear` reads: float32, float64,
+    float16, bfloat16 or int8; TypeError for anything else."""
+    if isinstance(w, Int8Weight):
+        return "int8"
+    dt = getattr(w, "dtype", None)
+    name = getattr(dt, "name", None)
+    if isinstance(w, np.ndarray) and name in ("float32", "float64", "float16", "bfloat16"):
+        return str(name)
+    raise TypeError("weight must be an ndarray of float32, float64, float16 or "
+                    f"ml_dtypes.bfloat16, or an Int8Weight; got {type(w).__name__}"
+                    + (f" of dtype {dt}" if dt is not None else ""))
+
+
+def convert_weight(w: Any, dtype: str, group_size: int | None = None) -> Any:
+    """``w`` (k, n) stored as ``dtype``: 'float32', 'bfloat16', 'float16' (ndarrays,
+    rounded to nearest even) or 'int8' (an :class:`Int8Weight`, per-column scales or
+    groups of ``group_size`` rows)."""
+    if dtype not in WEIGHT_DTYPES:
+        raise ValueError(f"weight dtype must be one of {', '.join(WEIGHT_DTYPES)}, "
+                         f"got {dtype!r}")
+    if dtype == "int8":
+        return Int8Weight.quantize(w, group_size)
+    target = _formats.FORMATS[dtype].dtype
+    a = np.asarray(w)
+    return np.ascontiguousarray(a if a.dtype == target else a.astype(target))
+
+
+def join_columns(parts: list[Any]) -> Any:
+    """Weights (k, n_i) of one storage side by side: (k, sum n_i), as stored."""
+    if all(isinstance(p, Int8Weight) for p in parts):
+        groups = {p.group_size for p in parts}
+        if len(groups) != 1:
+            raise ValueError("int8 weights joined side by side need one group size")
+        return Int8Weight(np.concatenate([p.data for p in parts], axis=1),
+                          np.concatenate([p.scales for p in parts], axis=1), groups.pop())
+    if len({weight_format(p) for p in parts}) != 1:
+        raise TypeError("weights joined side by side must share one storage format")
+    return np.concatenate(parts, axis=1)
+
+
+def gather_columns(w: Any, ids: np.ndarray) -> np.ndarray:
+    """Columns ``ids`` (any shape) of weight ``w`` (k, n) as float32, shape ids.shape + (k,):
+    rows of an embedding table held as (d, vocab) columns."""
+    cols = w.columns(ids) if isinstance(w, Int8Weight) else w[:, ids]
+    return np.ascontiguousarray(np.moveaxis(cols, 0, -1), dtype=np.float32)
