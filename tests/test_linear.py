@@ -63,3 +63,113 @@ def test_linear_reads_batched_and_strided_inputs(rng):
 def test_linear_rejects_bad_input(args, exc, match):
     with pytest.raises(exc, match=match):
         mh.linear(*args)
+
+
+def _stored(w, fmt):
+    if fmt == "bfloat16":
+        import ml_dtypes
+        return w.astype(ml_dtypes.bfloat16)
+    return w.astype(np.float16)
+
+
+@pytest.mark.parametrize("fmt", ["bfloat16", "float16"])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4])
+@pytest.mark.parametrize("k,n", [(1, 15), (5, 1040), (97, 4100), (96, 20000)])
+def test_half_weights_give_the_bits_of_their_widened_float32(rng, fmt, rows, k, n):
+    """Few rows read float16 and bfloat16 weights in place, widening each vector as it
+    loads: the same bits as the same product with the weight widened to float32 first
+    (depths not a multiple of four, widths with a ragged tail, several blocks)."""
+    x = rng.standard_normal((rows, k)).astype(np.float32)
+    w = _stored(rng.standard_normal((k, n)).astype(np.float32), fmt)
+    b = rng.standard_normal(n).astype(np.float32)
+    np.testing.assert_array_equal(mh.linear(x, w, b, num_threads=2),
+                                  mh.linear(x, w.astype(np.float32), b, num_threads=2))
+
+
+@pytest.mark.parametrize("fmt", ["bfloat16", "float16", "int8", "int8/32", "int8/7"])
+@pytest.mark.parametrize("rows", [1, 3, 5, 300])
+def test_weights_in_their_own_precision_match_the_oracle(rng, fmt, rows):
+    """Every stored format, few rows and more rows (a widened stripe per BLAS call), against
+    float64 arithmetic on the values the weight stands for."""
+    k, n = 130, 1000
+    x = rng.standard_normal((rows, k)).astype(np.float32)
+    w32 = rng.standard_normal((k, n)).astype(np.float32)
+    if fmt.startswith("int8"):
+        w = mh.Int8Weight.quantize(w32, None if fmt == "int8" else int(fmt[5:]))
+        values = w.dequantize()
+        # quantisation error: half a step of max|w| / 127 per weight
+        assert np.abs(values - w32).max() <= np.abs(w32).max() / 254 * 1.0001
+    else:
+        w = _stored(w32, fmt)
+        values = w.astype(np.float32)
+    b = rng.standard_normal(n).astype(np.float32)
+    ref = x.astype(np.float64) @ values.astype(np.float64) + b
+    got = mh.linear(x, w, b, num_threads=2)
+    assert got.dtype == np.float32 and got.shape == (rows, n)
+    np.testing.assert_allclose(got, ref, rtol=0, atol=2e-4)
+
+
+@pytest.mark.parametrize("fmt", ["bfloat16", "int8"])
+@pytest.mark.parametrize("rows,k,n", [(1, 2048, 3000), (4, 300, 20000), (513, 200, 700)])
+def test_stored_weights_give_the_same_bits_on_any_thread_count(rng, fmt, rows, k, n):
+    x = rng.standard_normal((rows, k)).astype(np.float32)
+    w32 = rng.standard_normal((k, n)).astype(np.float32)
+    w = mh.Int8Weight.quantize(w32, 64) if fmt == "int8" else _stored(w32, fmt)
+    one = mh.linear(x, w, num_threads=1)
+    for nt in (2, 3):
+        np.testing.assert_array_equal(mh.linear(x, w, num_threads=nt), one)
+
+
+def test_stored_weights_are_read_in_place_from_strided_views(rng):
+    import ml_dtypes
+    x = rng.standard_normal((2, 64)).astype(np.float32)
+    w = rng.standard_normal((128, 300)).astype(np.float32).astype(ml_dtypes.bfloat16)[::2, 7:]
+    np.testing.assert_array_equal(mh.linear(x, w), mh.linear(x, w.astype(np.float32)))
+
+
+@pytest.mark.parametrize("make,exc,match", [
+    (lambda: (np.ones((2, 3), np.float64), np.ones((3, 5), np.float16)), TypeError,
+     "float16 weight needs float32 x"),
+    (lambda: (np.ones((2, 3), np.float32), np.ones((3, 5), np.int8)), TypeError, "Int8Weight"),
+    (lambda: (np.ones((2, 3), np.float32), mh.Int8Weight.quantize(np.ones((4, 5)))),
+     ValueError, "weight must have shape"),
+    (lambda: (np.ones((2, 3), np.float32), np.ones((3, 5), np.float16), np.ones(5)),
+     TypeError, "float32 x and bias"),
+])
+def test_stored_weights_reject_bad_input(make, exc, match):
+    with pytest.raises(exc, match=match):
+        mh.linear(*make())
+
+
+def test_int8_weight_checks_its_parts():
+    with pytest.raises(TypeError, match="int8"):
+        mh.Int8Weight(np.ones((4, 5), np.float32), np.ones((1, 5), np.float32), 4)
+    with pytest.raises(TypeError, match=r"scales must be a float32 array of shape \(2, 5\)"):
+        mh.Int8Weight(np.ones((4, 5), np.int8), np.ones((1, 5), np.float32), 2)
+    with pytest.raises(ValueError, match="group_size"):
+        mh.Int8Weight.quantize(np.ones((4, 5)), 0)
+    q = mh.Int8Weight.quantize(np.zeros((4, 5)))  # all-zero columns: scale 0, values 0
+    assert not q.dequantize().any() and q.nbytes == 20 + 20
+
+
+@pytest.mark.parametrize("fmt", ["bfloat16", "float16", "int8"])
+def test_a_module_runs_on_stored_projection_weights(rng, fmt):
+    """MultiHeadAttention's W_qkv and W_out may be replaced by stored weights: the module
+    is then the module with the values those weights stand for."""
+    stored = mh.MultiHeadAttention(64, num_heads=4, num_kv_heads=2, seed=3)
+    plain = mh.MultiHeadAttention(64, num_heads=4, num_kv_heads=2, seed=3)
+    for name in ("W_qkv", "W_out"):
+        w = getattr(stored, name)
+        w = mh.Int8Weight.quantize(w) if fmt == "int8" else _stored(w, fmt)
+        setattr(stored, name, w)
+        setattr(plain, name, w.dequantize() if fmt == "int8" else w.astype(np.float32))
+    x = rng.standard_normal((2, 9, 64)).astype(np.float32)
+    np.testing.assert_allclose(stored(x), plain(x), rtol=0, atol=1e-5)
+    caches = [m.new_cache(2, 12) for m in (stored, plain)]
+    for m, c in zip((stored, plain), caches):
+        m(x[:, :8], cache=c)
+    step = stored(x[:, 8:], cache=caches[0]), plain(x[:, 8:], cache=caches[1])
+    if fmt == "int8":  # few rows scale each column's sums, not each weight
+        np.testing.assert_allclose(*step, rtol=0, atol=1e-5)
+    else:  # few rows widen the weights as they load: the same bits
+        np.testing.assert_array_equal(*step)

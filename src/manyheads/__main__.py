@@ -183,14 +183,15 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
-def _load_checkpoint(path: str, revision: str | None = None) -> tuple[Any, Any, str]:
+def _load_checkpoint(path: str, revision: str | None = None, weight_dtype: str = "float32"
+                     ) -> tuple[Any, Any, str]:
     """(model, tokenizer or None, folder) of a checkpoint folder or Hub id; the tokenizer
     is read from ``tokenizer.json`` when there is one."""
     from manyheads.models import from_pretrained
     from manyheads.models._hub import resolve_checkpoint
 
     folder = resolve_checkpoint(path, revision)
-    model = from_pretrained(folder)
+    model = from_pretrained(folder, weight_dtype=weight_dtype)
     # one-time set-up of the first calls (SciPy's BLAS for products of many rows, the
     # thread pool) belongs to loading, not to the prompt's time
     model.logits([[0] * min(8, model.context_length)])
@@ -363,7 +364,7 @@ class _Stream:
 def cmd_generate(args: argparse.Namespace) -> int:
     try:
         t0 = time.perf_counter()
-        model, tok, _ = _load_checkpoint(args.model, args.revision)
+        model, tok, _ = _load_checkpoint(args.model, args.revision, args.weight_dtype)
         load_s = time.perf_counter() - t0
         ids = _encode(tok, args.prompt)
         n = args.max_new_tokens
@@ -411,7 +412,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
     from manyheads.models._chat import chat_template, end_token_ids, render_chat, special_tokens
 
     try:
-        model, tok, folder = _load_checkpoint(args.model, args.revision)
+        model, tok, folder = _load_checkpoint(args.model, args.revision, args.weight_dtype)
         if tok is None:
             raise ValueError(f"chat needs the checkpoint's tokenizer.json ({args.model!r} has "
                              "none)")
@@ -606,6 +607,10 @@ def _add_model_flags(p: argparse.ArgumentParser, max_new_tokens: int) -> None:
                    help="tokens to generate (per reply) (default: %(default)s)")
     p.add_argument("--cache-dtype", choices=CACHE_ONLY_FORMATS,
                    help="KV cache storage (default: float32, the model's own)")
+    p.add_argument("--weight-dtype", default="float32",
+                   choices=("float32", "auto", "bfloat16", "float16", "int8"),
+                   help="how the weights are held: auto keeps the file's precision; int8 "
+                        "quantises per output column at load (default: %(default)s)")
     s = p.add_argument_group("sampling (transformers' meanings and order; default: greedy)")
     s.add_argument("--do-sample", action="store_true",
                    help="draw each token from the processed distribution")

@@ -1,8 +1,9 @@
 """Reading a checkpoint folder: ``config.json`` and ``*.safetensors`` (one file or shards).
 
-Nothing here knows an architecture.  :class:`Checkpoint` opens every shard with
-safetensors' NumPy API and hands out float32 arrays by tensor name, and projection
-weights in the precision asked for, read a slice at a time; bfloat16
+Nothing here knows an architecture.  :class:`Checkpoint` reads the safetensors
+format itself (a JSON header, then each tensor's bytes): float32 arrays by tensor
+name, and projection weights in the precision asked for, read a slice of rows at a
+time through the file (not a memory map, whose pages would stay resident); bfloat16
 tensors need ``ml_dtypes`` (imported only when such a tensor is met) because
 NumPy has no bfloat16 of its own.  The optional packages are imported lazily,
 so ``import manyheads`` never needs them; a missing one is an ImportError that
@@ -103,6 +104,9 @@ def config_float(cfg: dict[str, Any], *names: str, default: float | None = None)
 
 WEIGHT_DTYPES = ("float32", "bfloat16", "float16", "int8", "auto")
 _ROWS_PER_READ = 4096  # rows of a weight read, converted and placed at a time
+# safetensors dtype codes of float tensors -> NumPy dtypes (and those ml_dtypes provides)
+_NUMPY_DTYPES = {"F64": "<f8", "F32": "<f4", "F16": "<f2"}
+_ML_DTYPES = {"BF16": "bfloat16", "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2"}
 
 
 class TensorSource:
@@ -189,7 +193,7 @@ class ArrayTensors(TensorSource):
 
 
 class Checkpoint(TensorSource):
-    """The tensors of a checkpoint folder, read on demand as float32 NumPy arrays.
+    """The tensors of a checkpoint folder, read on demand (see :class:`TensorSource`).
 
     Finds ``model.safetensors``, or the shards listed by
     ``model.safetensors.index.json``, or else every ``*.safetensors`` file of
@@ -199,16 +203,46 @@ class Checkpoint(TensorSource):
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.folder = os.fspath(path)
         self.origin = f"checkpoint {self.folder!r}"
-        st = require_package("safetensors", "reading a checkpoint")
         self._files: dict[str, Any] = {}
-        self._where: dict[str, str] = {}
-        for name in self._shard_names():
-            handle = st.safe_open(os.path.join(self.folder, name), framework="np")
-            self._files[name] = handle
-            for key in handle.keys():
-                self._where[key] = name
-        if not self._where:
+        self._tensors: dict[str, tuple[str, str, tuple[int, ...], int]] = {}
+        try:
+            for name in self._shard_names():
+                self._open_shard(name)
+        except BaseException:
+            self.close()
+            raise
+        if not self._tensors:
             raise FileNotFoundError(f"no tensors in the safetensors files of {self.folder!r}")
+
+    def _open_shard(self, name: str) -> None:
+        """Read the header of shard ``name`` (an 8-byte little-endian length, then a JSON
+        object of tensor name -> dtype, shape and byte range after the header) and keep
+        the file open for reads of tensors and their rows.  Reads go through the file,
+        not a memory map, so loading holds only the tensors in their final format."""
+        f = open(os.path.join(self.folder, name), "rb")
+        self._files[name] = f
+        size = os.fstat(f.fileno()).st_size
+        raw = f.read(8)
+        n = int.from_bytes(raw, "little") if len(raw) == 8 else -1
+        if not 2 <= n <= size - 8:
+            raise ValueError(f"malformed safetensors file {name!r} in {self.folder!r}")
+        try:
+            header = json.loads(f.read(n))
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise ValueError(f"malformed safetensors header in {name!r}: {exc}") from None
+        if not isinstance(header, dict):
+            raise ValueError(f"malformed safetensors header in {name!r}")
+        for key, info in header.items():
+            if key == "__metadata__":
+                continue
+            try:
+                dtype, shape = str(info["dtype"]), tuple(int(d) for d in info["shape"])
+                begin, end = (int(o) for o in info["data_offsets"])
+            except (KeyError, TypeError, ValueError):
+                raise ValueError(f"malformed safetensors entry {key!r} in {name!r}") from None
+            self._tensors[key] = (name, dtype, shape, 8 + n + begin)
+            if begin > end or 8 + n + end > size:
+                raise ValueError(f"tensor {key!r} lies outside the file {name!r}")
 
     def _shard_names(self) -> list[str]:
         index = os.path.join(self.folder, INDEX_FILE)
@@ -239,40 +273,41 @@ class Checkpoint(TensorSource):
         self.close()
 
     def close(self) -> None:
-        for handle in self._files.values():
-            exit_ = getattr(handle, "__exit__", None)
-            if exit_ is not None:
-                exit_(None, None, None)
+        for f in self._files.values():
+            f.close()
         self._files.clear()
 
     def keys(self) -> list[str]:
-        return sorted(self._where)
+        return sorted(self._tensors)
 
     def __contains__(self, name: object) -> bool:
-        return name in self._where
+        return name in self._tensors
 
-    def _read(self, name: str) -> np.ndarray:
-        handle = self._files[self._where[name]]
-        if handle.get_slice(name).get_dtype() in ("BF16", "F8_E4M3", "F8_E5M2"):
-            # NumPy alone has no such dtype; ml_dtypes registers it for safetensors
-            require_package("ml_dtypes", "reading a bfloat16 or float8 checkpoint")
-        arr = handle.get_tensor(name)
-        self._check_float(name, arr)
-        return np.asarray(arr)
-
-    def _check_float(self, name: str, arr: np.ndarray) -> None:
-        if arr.dtype.kind in "iub":
-            raise ValueError(f"tensor {name!r} has dtype {arr.dtype}; expected floating point "
-                             "weights (quantised checkpoints are not supported)")
+    def _dtype(self, name: str) -> np.dtype:
+        code = self._tensors[name][1]
+        if code in _NUMPY_DTYPES:
+            return np.dtype(_NUMPY_DTYPES[code])
+        if code in _ML_DTYPES:
+            # NumPy alone has no such dtype; ml_dtypes provides it
+            ml = require_package("ml_dtypes", "reading a bfloat16 or float8 checkpoint")
+            return np.dtype(getattr(ml, _ML_DTYPES[code]))
+        raise ValueError(f"tensor {name!r} has dtype {code}; expected floating point "
+                         "weights (quantised checkpoints are not supported)")
 
     def _shape(self, name: str) -> tuple[int, ...]:
-        return tuple(self._files[self._where[name]].get_slice(name).get_shape())
+        return self._tensors[name][2]
+
+    def _read(self, name: str) -> np.ndarray:
+        shape = self._shape(name)
+        return self._rows(name, 0, shape[0] if shape else 1).reshape(shape)
 
     def _rows(self, name: str, start: int, stop: int) -> np.ndarray:
-        handle = self._files[self._where[name]]
-        piece = handle.get_slice(name)
-        if piece.get_dtype() in ("BF16", "F8_E4M3", "F8_E5M2"):
-            require_package("ml_dtypes", "reading a bfloat16 or float8 checkpoint")
-        arr = np.asarray(piece[start:stop])
-        self._check_float(name, arr)
-        return arr
+        shard, _, shape, offset = self._tensors[name]
+        dtype = self._dtype(name)
+        row = int(np.prod(shape[1:], dtype=np.int64)) if shape else 1
+        out = np.empty((max(stop - start, 0),) + tuple(shape[1:]), dtype)
+        f = self._files[shard]
+        f.seek(offset + start * row * dtype.itemsize)
+        if f.readinto(out.reshape(-1).view(np.uint8)) != out.nbytes:
+            raise ValueError(f"tensor {name!r} is cut short in {shard!r}")
+        return out

@@ -26,7 +26,7 @@ import numpy as np
 from ..cache import KVCache
 from ..functional import linear
 from ..modules import MultiHeadAttention
-from ..weights import gather_columns
+from ..weights import gather_columns, weight_format
 from ._sampling import check_sampling, check_stop, choose, process_logits, token_ids
 
 __all__ = ["DecoderModel", "Block", "rms_norm", "layer_norm", "eos_of"]
@@ -143,7 +143,23 @@ class DecoderModel:
                 f"d_model={self.d_model}, {self.num_heads} heads of {self.head_dim}, {kv}"
                 f"MLP {self.d_ff}, vocab {self.vocab_size}, context {self.context_length}"
                 f"{tied}{', ' + extra if extra else ''}; {n_params / 1e6:.2f}M parameters, "
-                f"float32)")
+                f"{self._weights_text()})")
+
+    def _weights_text(self) -> str:
+        kind = self.weight_dtype
+        return kind if kind == "float32" else f"{kind} weights"
+
+    @property
+    def weight_dtype(self) -> str:
+        """How the projections and embeddings are stored: float32, bfloat16, float16 or
+        int8 (see ``from_pretrained(..., weight_dtype=...)``); "mixed" if they differ."""
+        kinds = {weight_format(p) for p in self.parameters() if len(p.shape) == 2}
+        return kinds.pop() if len(kinds) == 1 else "mixed"
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of every weight of the model as stored."""
+        return sum(int(p.nbytes) for p in self.parameters())
 
     def parameters(self) -> list[np.ndarray]:
         """Every weight array of the model (each stored once)."""
