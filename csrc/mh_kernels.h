@@ -238,8 +238,10 @@ typedef void (*mh_merge_fn)(const mh_attn_args *args, int64_t pair, void *scratc
 /* A dense projection out = x @ w (+ bias), row-major, strides in elements:
    x (m, k), w (k, n), bias (n,) or NULL, out (m, n).  Work items:
    - few rows (m <= MH_FEW_ROWS): column blocks of tile_n columns (at most
-     MH_LINEAR_BLOCK_BYTES of a row of w), computed by the ISA kernels
-     (mh_linear_rows_fn), memory-bound: w is streamed once;
+     MH_LINEAR_BLOCK_BYTES of sums a row) times chunks of k_chunk rows of w, computed
+     by the ISA kernels (mh_linear_rows_fn), memory-bound: w is streamed once; a
+     narrow w is cut along k, so that each item reads one contiguous run of it, and
+     the chunks' sums are added in order afterwards (mh_linear_merge_*);
    - more rows: tiles of tile_m x tile_n, each one single-threaded call of a
      BLAS gemm (mh_linear_tile_f32/f64 below).
    Every output element is summed over k in the same order whatever the
@@ -266,12 +268,19 @@ typedef struct mh_linear_args {
     int w_fmt;              /* w's storage (mh_formats.h): native, or F16, BF16, I8 (f32) */
     const float *w_scales;  /* I8: (ceil(k / group), n) scales, rows n apart; else NULL */
     int64_t group;          /* I8: rows of k that share a scale */
+    int64_t k_chunk;        /* few rows: rows of k per work item (k: one chunk) */
+    void *partial;          /* several chunks: (chunks, rows, n) sums of the kernel's type */
     mh_sgemm_fn sgemm;
     mh_dgemm_fn dgemm;
 } mh_linear_args;
 
 /* Column block `block` of the few-rows path (ISA kernels). */
 typedef void (*mh_linear_rows_fn)(const mh_linear_args *args, int64_t block);
+
+/* Several chunks of k (few rows): out = bias + the chunks' partial sums, in chunk order,
+   on the calling thread. */
+void mh_linear_merge_f32(const mh_linear_args *args, int64_t n_chunks);
+void mh_linear_merge_f64(const mh_linear_args *args, int64_t n_chunks);
 
 /* Columns [c0, c0 + cols) of w widened to float32 (int8: with their scales) into dst,
    (k, cols) with rows cols apart (ISA kernels, float32 only). */

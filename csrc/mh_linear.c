@@ -46,3 +46,19 @@ void mh_linear_stripe_f32(const mh_linear_args *a, int64_t stripe, float *scratc
     a->sgemm("N", "N", &cols, &rows, &k, &one, scratch, &cols, (const float *)a->x, &lx,
              bias ? &one : &zero, out, &lo);
 }
+
+#define MH_MERGE_BODY(T)                                                                   \
+    const int64_t R = a->m, n = a->n;                                                      \
+    const T *bias = (const T *)a->bias, *part = (const T *)a->partial;                     \
+    for (int64_t r = 0; r < R; ++r) {                                                      \
+        T *out = (T *)a->out + r * a->out_row;                                             \
+        for (int64_t c = 0; c < n; ++c) out[c] = bias ? bias[c] : (T)0;                   \
+        for (int64_t ch = 0; ch < n_chunks; ++ch) {                                        \
+            const T *p = part + (ch * R + r) * n;                                          \
+            for (int64_t c = 0; c < n; ++c) out[c] += p[c];                                \
+        }                                                                                  \
+    }
+
+void mh_linear_merge_f32(const mh_linear_args *a, int64_t n_chunks) { MH_MERGE_BODY(float) }
+
+void mh_linear_merge_f64(const mh_linear_args *a, int64_t n_chunks) { MH_MERGE_BODY(double) }

@@ -76,83 +76,97 @@ MH_INLINE void FN(linear_accumulate)(const int fmt, const mh_linear_args *a, int
         }
 }
 
-/* Columns [c0, c0 + nv*VW) of R rows, weights of format fmt; the block's sums live in
-   L1/L2 (at most MH_LINEAR_BLOCK_BYTES of them per row; half of it for int8, whose
-   groups have sums of their own). */
+/* Columns [c0, c0 + nv*VW) of R rows over rows [k0, k1) of w, weights of format fmt,
+   into dst (rows dst_row apart), starting from the bias (with_bias) or from zero.  The
+   block's sums live in L1/L2 (at most MH_LINEAR_BLOCK_BYTES of them per row; half of
+   it for int8, whose groups have sums of their own, scaled as each group ends). */
 MH_INLINE void FN(linear_rows_block)(const int fmt, const mh_linear_args *a, int64_t c0,
-                                     int64_t nv, const int R)
+                                     int64_t nv, const int R, int64_t k0, int64_t k1, T *dst,
+                                     int64_t dst_row, int with_bias)
 {
-    const T *bias = (const T *)a->bias;
-    T *out = (T *)a->out + c0;
+    const T *bias = with_bias ? (const T *)a->bias : NULL;
     T acc[MH_FEW_ROWS][MH_LINEAR_BLOCK_BYTES / sizeof(T)];
     for (int r = 0; r < R; ++r)
         for (int64_t v = 0; v < nv; ++v)
             V_STORE(acc[r] + v * VW, bias ? V_LOAD(bias + c0 + v * VW) : V_ZERO());
     if (fmt != MH_STORE_I8) {
-        FN(linear_accumulate)(fmt, a, c0, nv, R, 0, a->k, acc);
+        FN(linear_accumulate)(fmt, a, c0, nv, R, k0, k1, acc);
     } else {
         T part[MH_FEW_ROWS][MH_LINEAR_BLOCK_BYTES / sizeof(T)];
-        for (int64_t k0 = 0; k0 < a->k; k0 += a->group) {
-            const int64_t k1 = k0 + a->group < a->k ? k0 + a->group : a->k;
-            const float *scale = a->w_scales + (k0 / a->group) * a->n + c0;
+        for (int64_t g0 = k0, g1; g0 < k1; g0 = g1) {
+            g1 = (g0 / a->group + 1) * a->group < k1 ? (g0 / a->group + 1) * a->group : k1;
+            const float *scale = a->w_scales + (g0 / a->group) * a->n + c0;
             for (int r = 0; r < R; ++r)
                 for (int64_t v = 0; v < nv; ++v) V_STORE(part[r] + v * VW, V_ZERO());
-            FN(linear_accumulate)(fmt, a, c0, nv, R, k0, k1, part);
+            FN(linear_accumulate)(fmt, a, c0, nv, R, g0, g1, part);
             for (int r = 0; r < R; ++r)
                 for (int64_t v = 0; v < nv; ++v)
-                    V_STORE(acc[r] + v * VW, V_FMA(FN(scales_load)(scale + v * VW), V_LOAD(part[r] + v * VW),
+                    V_STORE(acc[r] + v * VW, V_FMA(FN(scales_load)(scale + v * VW),
+                                                   V_LOAD(part[r] + v * VW),
                                                    V_LOAD(acc[r] + v * VW)));
         }
     }
     for (int r = 0; r < R; ++r)
         for (int64_t v = 0; v < nv; ++v)
-            V_STORE(out + r * a->out_row + v * VW, V_LOAD(acc[r] + v * VW));
+            V_STORE(dst + r * dst_row + v * VW, V_LOAD(acc[r] + v * VW));
 }
 
-/* One column c < VW-wide tail, lane 0 of a vector, so the arithmetic is the
-   vector lanes' own. */
-static void FN(linear_rows_column)(const mh_linear_args *a, int64_t c, int64_t rows)
+/* One column c < VW-wide tail over rows [k0, k1) of w, lane 0 of a vector (so the
+   arithmetic is the vector lanes' own), into dst (rows dst_row apart). */
+static void FN(linear_rows_column)(const mh_linear_args *a, int64_t c, int R, int64_t k0,
+                                   int64_t k1, T *dst, int64_t dst_row, int with_bias)
 {
-    const T *x = (const T *)a->x, *bias = (const T *)a->bias;
+    const T *x = (const T *)a->x, *bias = with_bias ? (const T *)a->bias : NULL;
     const int fmt = a->w_fmt;
     const int64_t group = fmt == MH_STORE_I8 ? a->group : a->k;
-    T *out = (T *)a->out + c;
     T lanes[VW];
-    for (int64_t r = 0; r < rows; ++r) {
+    for (int r = 0; r < R; ++r) {
         V acc = V_SET1(bias ? bias[c] : (T)0);
-        for (int64_t k0 = 0; k0 < a->k; k0 += group) {
-            const int64_t k1 = k0 + group < a->k ? k0 + group : a->k;
+        for (int64_t g0 = k0, g1; g0 < k1; g0 = g1) {
+            g1 = (g0 / group + 1) * group < k1 ? (g0 / group + 1) * group : k1;
             V part = fmt == MH_STORE_I8 ? V_ZERO() : acc;
-            for (int64_t kk = k0; kk < k1; ++kk)
+            for (int64_t kk = g0; kk < g1; ++kk)
                 part = V_FMA(V_SET1(x[r * a->x_row + kk]),
                              V_SET1((T)mh_weight_at(fmt, a->w, kk * a->w_row + c)), part);
             acc = fmt == MH_STORE_I8
-                      ? V_FMA(V_SET1((T)a->w_scales[(k0 / group) * a->n + c]), part, acc)
+                      ? V_FMA(V_SET1((T)a->w_scales[(g0 / group) * a->n + c]), part, acc)
                       : part;
         }
         V_STORE(lanes, acc);
-        out[r * a->out_row] = lanes[0];
+        dst[r * dst_row] = lanes[0];
     }
 }
 
-/* mh_linear_rows_fn: columns [block * a->tile_n, ...) of every row (the plan makes a
-   block's sums at most MH_LINEAR_BLOCK_BYTES a row, half for int8, and a multiple of
-   16 columns). */
-void FN(mh_linear_rows_item)(const mh_linear_args *a, int64_t block)
+/* mh_linear_rows_fn: item = (chunk of k, block of columns), block-minor.  With one chunk
+   (a->partial NULL) an item writes its columns of the output, bias included; with
+   several, its chunk's sums into a->partial, which mh_linear_merge adds in chunk order.
+   The plan makes a block's sums at most MH_LINEAR_BLOCK_BYTES a row (half for int8)
+   and a multiple of 16 columns. */
+void FN(mh_linear_rows_item)(const mh_linear_args *a, int64_t item)
 {
+    const int64_t n_blocks = (a->n + a->tile_n - 1) / a->tile_n;
+    const int64_t chunk = item / n_blocks, block = item % n_blocks;
+    const int64_t k0 = chunk * a->k_chunk;
+    const int64_t k1 = k0 + a->k_chunk < a->k ? k0 + a->k_chunk : a->k;
     const int64_t start = block * a->tile_n;
     const int64_t end = start + a->tile_n < a->n ? start + a->tile_n : a->n;
     const int64_t nv = (end - start) / VW;
     const int R = a->m < MH_FEW_ROWS ? (int)a->m : MH_FEW_ROWS;
+    const int whole = a->partial == NULL;
+    T *dst = whole ? (T *)a->out : (T *)a->partial + chunk * R * a->n;
+    const int64_t dst_row = whole ? a->out_row : a->n;
     if (nv > 0) {
+#define MH_ROWS_BLOCK(F) FN(linear_rows_block)(F, a, start, nv, R, k0, k1, dst + start, dst_row, whole)
         switch (a->w_fmt) {
-        case MH_STORE_F16: FN(linear_rows_block)(MH_STORE_F16, a, start, nv, R); break;
-        case MH_STORE_BF16: FN(linear_rows_block)(MH_STORE_BF16, a, start, nv, R); break;
-        case MH_STORE_I8: FN(linear_rows_block)(MH_STORE_I8, a, start, nv, R); break;
-        default: FN(linear_rows_block)(MH_NATIVE, a, start, nv, R); break;
+        case MH_STORE_F16: MH_ROWS_BLOCK(MH_STORE_F16); break;
+        case MH_STORE_BF16: MH_ROWS_BLOCK(MH_STORE_BF16); break;
+        case MH_STORE_I8: MH_ROWS_BLOCK(MH_STORE_I8); break;
+        default: MH_ROWS_BLOCK(MH_NATIVE); break;
         }
+#undef MH_ROWS_BLOCK
     }
-    for (int64_t c = start + nv * VW; c < end; ++c) FN(linear_rows_column)(a, c, a->m);
+    for (int64_t c = start + nv * VW; c < end; ++c)
+        FN(linear_rows_column)(a, c, R, k0, k1, dst + c, dst_row, whole);
 }
 
 /* mh_linear_widen_fn: dst (k, cols) = w[:, c0 : c0 + cols] as T (int8: times its

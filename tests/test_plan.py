@@ -161,12 +161,18 @@ def test_linear_plans_column_blocks_for_a_few_rows_and_blas_tiles_for_more():
     # (12.6 M multiply-adds: split even while threads were recently found without a core,
     # when calls below 8.4 M run on the calling thread alone)
     few = _kernels.explain_linear(1, 4096, 3072, 2)
-    # blocks of at most 32 KiB of a row of w (8192 float32 columns), as many per thread
+    # a row's sums fit in 32 KiB (8192 float32 columns): 16 chunks of k, one block of
+    # every column, each item a contiguous run of w
     assert _kernels.LINEAR_BLOCK_BYTES == 32768
-    assert few["path"] == "few rows" and few["work_items"] == 2 and few["tile"] == (1, 1536)
-    assert few["threads"] == 2
-    assert _kernels.explain_linear(4, 576, 49152, 2)["tile"] == (4, 8192)
+    assert few["path"] == "few rows" and few["work_items"] == 16 and few["tile"] == (1, 3072)
+    assert few["k_chunk"] == 256 and few["threads"] == 2
+    assert _kernels.explain_linear(1, 576, 576, 2)["k_chunk"] == 36
+    assert _kernels.explain_linear(1, 40, 576, 2)["k_chunk"] == 40  # too shallow to cut
+    # wider: blocks of at most 32 KiB of sums a row, as many per thread, all of k
+    wide = _kernels.explain_linear(4, 576, 49152, 2)
+    assert wide["tile"] == (4, 8192) and wide["k_chunk"] == 576
     assert _kernels.explain_linear(1, 576, 49152, 2, itemsize=8)["tile"] == (1, 4096)
-    assert _kernels.explain_linear(1, 576, 576, 2)["work_items"] == 2
+    # int8 scales in groups keep sums of their own: half the columns
+    assert _kernels.explain_linear(1, 576, 6000, 2, grouped=True)["tile"][1] < 6000
     many = _kernels.explain_linear(513, 200, 700, 2)
     assert many["path"] == "BLAS tiles" and many["tile"][0] == 256

@@ -123,12 +123,16 @@ cdef extern from "mh_kernels.h" nogil:
         int w_fmt
         const float *w_scales
         int64_t group
+        int64_t k_chunk
+        void *partial
         mh_sgemm_fn sgemm
         mh_dgemm_fn dgemm
 
     ctypedef void (*mh_linear_rows_fn)(const mh_linear_args *args, int64_t block) noexcept nogil
     void mh_linear_tile_f32(const mh_linear_args *args, int64_t tile)
     void mh_linear_tile_f64(const mh_linear_args *args, int64_t tile)
+    void mh_linear_merge_f32(const mh_linear_args *args, int64_t n_chunks)
+    void mh_linear_merge_f64(const mh_linear_args *args, int64_t n_chunks)
     ctypedef void (*mh_linear_widen_fn)(const mh_linear_args *args, int64_t c0, int64_t cols,
                                         float *dst) noexcept nogil
     void mh_linear_stripe_f32(const mh_linear_args *args, int64_t stripe, float *scratch,

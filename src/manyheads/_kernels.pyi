@@ -59,13 +59,15 @@ def waited_for_absent_threads(start: float, worked: float, end: float) -> bool:
 def threads_for_call(requested: int, active_calls: int) -> int:
     """Threads one of ``active_calls`` simultaneous calls gets from a budget of ``requested``."""
 
-def explain_linear(m: int, k: int, n: int, num_threads: int, itemsize: int = ...
-                   ) -> dict[str, Any]:
+def explain_linear(m: int, k: int, n: int, num_threads: int, itemsize: int = ...,
+                   weight_format: str = ..., grouped: bool = ...) -> dict[str, Any]:
     """The plan of :func:`linear` for these sizes, as a dict."""
 
-def linear(x: _FloatArray, w: _FloatArray, bias: _FloatArray | None, out: _FloatArray,
-           num_threads: int, check_signals: bool = ...) -> None:
-    """out (m, n) = x (m, k) @ w (k, n) (+ bias), rows contiguous, one float dtype."""
+def linear(x: _FloatArray, w: np.ndarray, bias: _FloatArray | None, out: _FloatArray,
+           num_threads: int, check_signals: bool = ..., w_fmt: int = ...,
+           scales: np.ndarray | None = ..., group: int = ...) -> None:
+    """out (m, n) = x (m, k) @ w (k, n) (+ bias), rows contiguous; w of x's dtype or
+    stored in format w_fmt (int8 with scales per group of rows)."""
 class AttentionCall:
     """One attention call: its plan (made once, at construction, by the C planner)
     and the C struct of arguments the kernels read.

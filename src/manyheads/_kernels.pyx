@@ -300,19 +300,23 @@ cdef inline int _clamp_threads(int nt, int64_t n_items, double work):
 
 
 cdef struct LinearPlan:
-    int64_t n_items, tile_m, tile_n
+    int64_t n_items, tile_m, tile_n, k_chunk, chunks
     int threads
 
 
 cdef int64_t STRIPE_BYTES = 1 << 20  # widened weights per stripe of the more-rows path
+cdef int64_t LINEAR_K_CHUNKS = 16    # few rows of a narrow w: chunks of k ...
+cdef int64_t LINEAR_K_ROWS = 32      # ... of at least this many rows
 
 
 cdef LinearPlan _plan_linear(int64_t m, int64_t k, int64_t n, int num_threads, int itemsize,
                              bint grouped=False, bint widened=False):
     """Work items of out (m, n) = x (m, k) @ w (k, n), sums of ``itemsize`` bytes.  Up to
-    FEW_ROWS rows (the kernels' own product): column blocks of a multiple of 16 columns,
-    each with at most LINEAR_BLOCK_BYTES of sums a row (half that with ``grouped``
-    int8 scales), as many as give every thread the same number of blocks.  More rows:
+    FEW_ROWS rows (the kernels' own product): a w whose row's sums fit in
+    LINEAR_BLOCK_BYTES (half that with ``grouped`` int8 scales) is cut along k into up
+    to LINEAR_K_CHUNKS chunks, each a contiguous run of w, whose sums are added in
+    order afterwards; a wider one into column blocks of a multiple of 16 columns within
+    that limit, as many as give every thread the same number of blocks.  More rows:
     BLAS tiles from the shape alone (never the thread count): rows in tiles of up to
     256, columns split until there are about 64 tiles, in multiples of 64; with
     ``widened`` weights (not float32), stripes of every row and a multiple of 64
@@ -320,14 +324,25 @@ cdef LinearPlan _plan_linear(int64_t m, int64_t k, int64_t n, int num_threads, i
     cdef LinearPlan p
     cdef int64_t m_tiles, n_tiles, target = 64, blocks, share, limit
     p.tile_m = p.tile_n = 0
+    p.k_chunk = k
+    p.chunks = 1
     if m <= MH_FEW_ROWS:
         limit = MH_LINEAR_BLOCK_BYTES // (2 * itemsize if grouped else itemsize)
-        blocks = (n + limit - 1) // limit
-        share = max(1, min(num_threads, (n + 15) // 16))
-        blocks = (blocks + share - 1) // share * share
         p.tile_m = m
-        p.tile_n = ((n + blocks - 1) // blocks + 15) // 16 * 16
-        p.n_items = (n + p.tile_n - 1) // p.tile_n
+        if n <= limit and k >= 2 * LINEAR_K_ROWS:
+            # narrow: one block of every column, LINEAR_K_CHUNKS chunks of k (from the
+            # shape alone, so the sums' order never depends on the threads)
+            p.tile_n = n
+            p.chunks = min(LINEAR_K_CHUNKS, k // LINEAR_K_ROWS)
+            p.k_chunk = ((k + p.chunks - 1) // p.chunks + 3) // 4 * 4
+            p.chunks = (k + p.k_chunk - 1) // p.k_chunk
+            p.n_items = p.chunks
+        else:
+            blocks = (n + limit - 1) // limit
+            share = max(1, min(num_threads, (n + 15) // 16))
+            blocks = (blocks + share - 1) // share * share
+            p.tile_n = ((n + blocks - 1) // blocks + 15) // 16 * 16
+            p.n_items = (n + p.tile_n - 1) // p.tile_n
     elif widened:
         p.tile_m = m
         limit = max(64, STRIPE_BYTES // (4 * max(k, 1)) // 64 * 64)
@@ -355,7 +370,7 @@ def explain_linear(int64_t m, int64_t k, int64_t n, int num_threads, int itemsiz
     cdef LinearPlan p = _plan_linear(m, k, n, num_threads, itemsize, grouped, widened)
     path = "few rows" if m <= MH_FEW_ROWS else ("widened stripes" if widened else "BLAS tiles")
     return {"path": path, "work_items": p.n_items, "tile": (p.tile_m, p.tile_n),
-            "threads": p.threads}
+            "k_chunk": p.k_chunk, "threads": p.threads}
 
 
 cdef void _stripe_item(const Job *j, int64_t it, char *scratch) noexcept nogil:
@@ -403,9 +418,24 @@ def linear(x, w, bias, out, int num_threads, bint check_signals=False, int w_fmt
                      a.w_fmt == MH_STORE_I8, not native)
     a.tile_m = p.tile_m
     a.tile_n = p.tile_n
+    a.k_chunk = p.k_chunk
+    a.partial = NULL
     if a.m <= MH_FEW_ROWS:
         job.rows = _table.linear_rows_f64 if f64 else _table.linear_rows_f32
-        _run_items(&job, _rows_item, p.n_items, p.threads, check_signals)
+        if p.chunks > 1:
+            a.partial = malloc(p.chunks * a.m * a.n * oa.dtype.itemsize)
+            if a.partial == NULL:
+                raise MemoryError("cannot allocate the projection's partial sums")
+        try:
+            _run_items(&job, _rows_item, p.n_items, p.threads, check_signals)
+            if p.chunks > 1:
+                with nogil:
+                    if f64:
+                        mh_linear_merge_f64(&a, p.chunks)
+                    else:
+                        mh_linear_merge_f32(&a, p.chunks)
+        finally:
+            free(a.partial)
         return
     if not has_blas():
         raise RuntimeError("no BLAS set for projections of more than FEW_ROWS rows")
