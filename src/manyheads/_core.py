@@ -478,6 +478,10 @@ def rotate(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> None:
     """Rotate the first ``2 * n`` features of x (..., T, D) in place by angles whose cos
     and sin are (T, n) (``rotate_half`` layout within those features; the rest, as with
     a partial rotary factor, are left as they are)."""
+    if x.ndim == 4 and x.dtype == np.float32 and cos.dtype == np.float32 \
+            and x.strides[-1] % 4 == 0 and x.flags.writeable:
+        _kernels.rotate_heads(x, np.ascontiguousarray(cos), np.ascontiguousarray(sin))
+        return
     half = cos.shape[-1]
     x1, x2 = x[..., :half], x[..., half:2 * half]
     r1 = x1 * cos - x2 * sin

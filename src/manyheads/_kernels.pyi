@@ -117,3 +117,11 @@ class AttentionCall:
     def run(self, check_signals: bool = ...) -> None:
         """Run the plan's work items on its threads (``check_signals``: stop and raise
         on Ctrl-C)."""
+
+def rms_norm_rows(x: npt.NDArray[np.float32], weight: npt.NDArray[np.float32], eps: float,
+                  out: npt.NDArray[np.float32]) -> None:
+    """out = x / sqrt(mean(x**2, -1) + eps) * weight, row by row."""
+
+def rotate_heads(x: npt.NDArray[np.float32], cos: npt.NDArray[np.float32],
+                 sin: npt.NDArray[np.float32]) -> None:
+    """Rotate float32 x (B, H, T, D) in place (rotate_half layout on 2 * n features)."""

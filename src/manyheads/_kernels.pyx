@@ -13,6 +13,7 @@ checked everything before it builds a call.  The C declarations are in
 """
 from cython.parallel cimport parallel, prange, threadid
 from libc.stdint cimport int8_t, int64_t, uint8_t, uint16_t, uint64_t, uintptr_t
+from libc.math cimport sqrtf
 from libc.stdlib cimport free, malloc
 
 cimport numpy as cnp
@@ -700,3 +701,53 @@ cdef class AttentionCall:
                 _run_items(&job, _block_item, p.n_items, p.threads, check_signals)
         finally:
             free(raw)
+
+
+# ---- the small per-token steps of a decoder (one pass each, no temporaries) ------------------
+
+def rms_norm_rows(const float[:, ::1] x, const float[::1] weight, float eps,
+                  float[:, ::1] out):
+    """out[i] = x[i] / sqrt(mean(x[i]**2) + eps) * weight, row by row (sums in double)."""
+    cdef Py_ssize_t i, j, n = x.shape[1]
+    cdef double ss
+    cdef float inv
+    if weight.shape[0] != n or out.shape[0] != x.shape[0] or out.shape[1] != n:
+        raise ValueError("rms_norm_rows: shapes differ")
+    with nogil:
+        for i in range(x.shape[0]):
+            ss = 0
+            for j in range(n):
+                ss += <double>x[i, j] * x[i, j]
+            inv = 1.0 / sqrtf(<float>(ss / n) + eps)
+            for j in range(n):
+                out[i, j] = (x[i, j] * inv) * weight[j]
+
+
+def rotate_heads(cnp.ndarray x, const float[:, ::1] cos, const float[:, ::1] sin):
+    """Rotate float32 x (B, H, T, D), any element strides, in place: each row's features
+    (i, i + n) for i < n = cos.shape[1] become (a cos - b sin, b cos + a sin) with the
+    row's position's cos and sin (T, n); the rest are left as they are."""
+    cdef Py_ssize_t B = x.shape[0], H = x.shape[1], T = x.shape[2], n = cos.shape[1]
+    cdef Py_ssize_t sb = x.strides[0] // 4, sh = x.strides[1] // 4
+    cdef Py_ssize_t st = x.strides[2] // 4, sd = x.strides[3] // 4
+    cdef float *p = <float *>cnp.PyArray_DATA(x)
+    cdef float *row
+    cdef float a, b, c, s
+    cdef Py_ssize_t ib, ih, it, i
+    if (x.ndim != 4 or x.dtype != np.float32 or cos.shape[0] != T or sin.shape[0] != T
+            or sin.shape[1] != n or 2 * n > x.shape[3] or not x.flags.writeable
+            or any(st_ % 4 for st_ in (x.strides[0], x.strides[1], x.strides[2], x.strides[3]))):
+        raise ValueError("rotate_heads: x must be a writable float32 (B, H, T, D) array, "
+                         "cos and sin (T, n) with 2 n <= D")
+    with nogil:
+        for ib in range(B):
+            for ih in range(H):
+                for it in range(T):
+                    row = p + ib * sb + ih * sh + it * st
+                    for i in range(n):
+                        a = row[i * sd]
+                        b = row[(i + n) * sd]
+                        c = cos[it, i]
+                        s = sin[it, i]
+                        row[i * sd] = a * c - b * s
+                        row[(i + n) * sd] = b * c + a * s

@@ -23,17 +23,23 @@ from typing import Any, Callable, Protocol, Sequence
 
 import numpy as np
 
+from .. import _config, _core, _kernels
 from ..cache import KVCache
-from ..functional import linear
 from ..modules import MultiHeadAttention
 from ..weights import gather_columns, weight_format
 from ._sampling import check_sampling, check_stop, choose, process_logits, token_ids
 
-__all__ = ["DecoderModel", "Block", "rms_norm", "layer_norm", "eos_of"]
+__all__ = ["DecoderModel", "Block", "rms_norm", "layer_norm", "project", "eos_of"]
 
 
 def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
     """``weight * x / sqrt(mean(x**2) + eps)`` over the last axis (one new array)."""
+    if x.dtype == np.float32 and weight.dtype == np.float32 and x.flags.c_contiguous \
+            and weight.flags.c_contiguous and x.ndim >= 1 and x.size:
+        out = np.empty_like(x)
+        d = x.shape[-1]
+        _kernels.rms_norm_rows(x.reshape(-1, d), weight, float(eps), out.reshape(-1, d))
+        return out
     y: np.ndarray = np.square(x)
     ms = y.mean(axis=-1, keepdims=True)
     ms += eps
@@ -41,6 +47,12 @@ def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
     np.divide(x, ms, out=y)
     y *= weight
     return y
+
+
+def project(x: np.ndarray, weight: Any, bias: np.ndarray | None = None) -> np.ndarray:
+    """``x @ weight + bias`` on manyheads' threads: :func:`manyheads.linear` without its
+    argument checks (a model's weights were checked as they loaded)."""
+    return _core.linear(x, weight, bias, _config.resolve_num_threads(None))
 
 
 def layer_norm(x: np.ndarray, weight: np.ndarray, bias: np.ndarray, eps: float) -> np.ndarray:
@@ -271,7 +283,7 @@ class DecoderModel:
         x, _ = self.hidden_states(ids, attention_mask=attention_mask, caches=caches)
         if last_only:
             x = x[:, -1:]
-        z = linear(self._final_norm(x), self.head)
+        z = project(self._final_norm(x), self.head)
         if self.final_softcap is not None:
             z /= np.float32(self.final_softcap)
             np.tanh(z, out=z)

@@ -17,10 +17,9 @@ from typing import Any
 import numpy as np
 
 from ..cache import KVCache
-from ..functional import linear
 from ..modules import MultiHeadAttention
 from ._checkpoint import ArrayTensors, TensorSource, config_float, config_int
-from ._decoder import DecoderModel, eos_of, layer_norm
+from ._decoder import DecoderModel, eos_of, layer_norm, project
 
 __all__ = ["GPT2", "GPT2Block"]
 
@@ -72,8 +71,8 @@ class GPT2Block:
     def __call__(self, x: np.ndarray, cache: KVCache | None,
                  pad: np.ndarray | None) -> np.ndarray:
         x += self.attn(layer_norm(x, *self.ln_1, self.eps), cache=cache, key_padding_mask=pad)
-        h = self.gelu(linear(layer_norm(x, *self.ln_2, self.eps), *self.fc))
-        x += linear(h, *self.proj)
+        h = self.gelu(project(layer_norm(x, *self.ln_2, self.eps), *self.fc))
+        x += project(h, *self.proj)
         return x
 
 

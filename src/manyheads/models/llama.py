@@ -30,10 +30,9 @@ from typing import Any, Callable
 import numpy as np
 
 from ..cache import KVCache, CacheStep
-from ..functional import linear
 from ..modules import MultiHeadAttention
 from ._checkpoint import TensorSource, config_float, config_int
-from ._decoder import DecoderModel, eos_of, rms_norm
+from ._decoder import DecoderModel, eos_of, project, rms_norm
 from ..weights import join_columns
 from ._rope import LAYER_TYPES, Rotary, rope_parameters_of
 from .gpt2 import gelu_erf, gelu_tanh
@@ -111,11 +110,11 @@ class LlamaBlock:
                  pad: np.ndarray | None) -> np.ndarray:
         a = self.attn(rms_norm(x, self.norm_attn, self.eps), cache=cache, key_padding_mask=pad)
         x += a if self.post_attn is None else rms_norm(a, self.post_attn, self.eps)
-        gu = linear(rms_norm(x, self.norm_mlp, self.eps), self.w_gate_up, self.b_gate_up)
+        gu = project(rms_norm(x, self.norm_mlp, self.eps), self.w_gate_up, self.b_gate_up)
         F = self.d_ff
         gate = self.act(gu[..., :F])
         gate *= gu[..., F:]
-        m = linear(gate, self.w_down, self.b_down)
+        m = project(gate, self.w_down, self.b_down)
         x += m if self.post_mlp is None else rms_norm(m, self.post_mlp, self.eps)
         return x
 

@@ -1,0 +1,52 @@
+"""The small per-token steps of the model runner, compiled: RMSNorm and the rotary
+rotation against their NumPy definitions."""
+import numpy as np
+import pytest
+
+from manyheads import _core, _kernels
+from manyheads.models._decoder import rms_norm
+
+
+def numpy_rms_norm(x, w, eps):
+    x64 = x.astype(np.float64)
+    return x64 / np.sqrt(np.mean(x64 ** 2, axis=-1, keepdims=True) + eps) * w
+
+
+@pytest.mark.parametrize("shape", [(1, 1, 576), (2, 7, 64), (3, 1)])
+def test_rms_norm_matches_its_definition(rng, shape):
+    x = (rng.standard_normal(shape) * 3).astype(np.float32)
+    w = rng.standard_normal(shape[-1]).astype(np.float32)
+    got = rms_norm(x, w, 1e-5)
+    assert got.dtype == np.float32 and got.shape == x.shape
+    np.testing.assert_allclose(got, numpy_rms_norm(x, w, 1e-5), rtol=2e-6, atol=1e-6)
+    # a strided view takes NumPy's path: the same values
+    np.testing.assert_allclose(rms_norm(x[..., ::1][..., :], w, 1e-5), got, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("partial", [False, True])
+def test_rotation_of_strided_heads_is_the_rotate_half_formula(rng, partial):
+    """Queries as the model holds them: a (B, H, T, D) strided view of a packed projection."""
+    B, H, T, D = 2, 3, 5, 16
+    packed = rng.standard_normal((B, T, 2 * H * D)).astype(np.float32)
+    q = packed[..., :H * D].reshape(B, T, H, D).transpose(0, 2, 1, 3)
+    n = D // 4 if partial else D // 2
+    angles = rng.uniform(-3, 3, (T, n))
+    cos, sin = np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
+    before = q.copy()
+    untouched = packed[..., H * D:].copy()
+    _core.rotate(q, cos, sin)
+    a, b = before[..., :n], before[..., n:2 * n]
+    # (within rounding: a compiler may fuse a multiply and an add, as on aarch64)
+    np.testing.assert_allclose(q[..., :n], a * cos - b * sin, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(q[..., n:2 * n], b * cos + a * sin, rtol=1e-6, atol=1e-6)
+    np.testing.assert_array_equal(q[..., 2 * n:], before[..., 2 * n:])
+    np.testing.assert_array_equal(packed[..., H * D:], untouched)
+
+
+def test_the_compiled_steps_check_their_arguments():
+    with pytest.raises(ValueError, match="shapes"):
+        _kernels.rms_norm_rows(np.ones((2, 3), np.float32), np.ones(4, np.float32), 1e-5,
+                               np.empty((2, 3), np.float32))
+    with pytest.raises(ValueError, match="rotate_heads"):
+        _kernels.rotate_heads(np.ones((1, 1, 2, 4), np.float32), np.ones((2, 3), np.float32),
+                              np.ones((2, 3), np.float32))
