@@ -282,6 +282,9 @@ typedef void (*mh_linear_rows_fn)(const mh_linear_args *args, int64_t block);
 void mh_linear_merge_f32(const mh_linear_args *args, int64_t n_chunks);
 void mh_linear_merge_f64(const mh_linear_args *args, int64_t n_chunks);
 
+/* The sum of p[0 .. n), read once as a stream (the benchmark's read-rate measure). */
+float mh_read_sum(const float *p, int64_t n);
+
 /* Columns [c0, c0 + cols) of w widened to float32 (int8: with their scales) into dst,
    (k, cols) with rows cols apart (ISA kernels, float32 only). */
 typedef void (*mh_linear_widen_fn)(const mh_linear_args *args, int64_t c0, int64_t cols,

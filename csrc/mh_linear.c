@@ -62,3 +62,18 @@ void mh_linear_stripe_f32(const mh_linear_args *a, int64_t stripe, float *scratc
 void mh_linear_merge_f32(const mh_linear_args *a, int64_t n_chunks) { MH_MERGE_BODY(float) }
 
 void mh_linear_merge_f64(const mh_linear_args *a, int64_t n_chunks) { MH_MERGE_BODY(double) }
+
+/* The sum of p[0 .. n): a plain streaming read of n floats (32 sums side by side, so
+   the adds keep up with the memory), for measuring the machine's read rate the way the
+   few-rows product reads its weights. */
+float mh_read_sum(const float *p, int64_t n)
+{
+    float s[32] = {0};
+    int64_t i = 0;
+    for (; i + 32 <= n; i += 32)
+        for (int l = 0; l < 32; ++l) s[l] += p[i + l];
+    for (; i < n; ++i) s[0] += p[i];
+    float total = 0;
+    for (int l = 0; l < 32; ++l) total += s[l];
+    return total;
+}

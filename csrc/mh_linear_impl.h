@@ -41,8 +41,9 @@ MH_INLINE V FN(scales_load)(const float *s)
     return V_LOAD(lanes);
 }
 
-/* acc[r][0, nv*VW) += x[r][kk] * w[kk][c0 + ...] for kk in [k0, k1), in k order: four
-   rows of w per pass, each a contiguous run of the block (up to MH_LINEAR_BLOCK_BYTES
+/* acc[r][0, nv*VW) += x[r][kk] * w[kk][c0 + ...] for kk in [k0, k1), in k order: eight
+   rows of w per pass (eight streams, and the sums loaded and stored once for eight
+   rows), each a contiguous run of the block (up to MH_LINEAR_BLOCK_BYTES
    of sums, which the hardware prefetchers stream at the memory's rate). */
 MH_INLINE void FN(linear_accumulate)(const int fmt, const mh_linear_args *a, int64_t c0,
                                      int64_t nv, const int R, int64_t k0, int64_t k1,
@@ -51,19 +52,18 @@ MH_INLINE void FN(linear_accumulate)(const int fmt, const mh_linear_args *a, int
     const T *x = (const T *)a->x;
     const int64_t ld = a->w_row;
     int64_t kk = k0;
-    for (; kk + 4 <= k1; kk += 4) {
-        const int64_t w0 = kk * ld + c0, w1 = w0 + ld, w2 = w1 + ld, w3 = w2 + ld;
+    for (; kk + 8 <= k1; kk += 8) {
+        const int64_t w0 = kk * ld + c0;
         for (int r = 0; r < R; ++r) {
             const T *xr = x + r * a->x_row + kk;
-            const V x0 = V_SET1(xr[0]), x1 = V_SET1(xr[1]), x2 = V_SET1(xr[2]),
-                    x3 = V_SET1(xr[3]);
+            V xs[8];
+            for (int i = 0; i < 8; ++i) xs[i] = V_SET1(xr[i]);
             T *ar = acc[r];
             for (int64_t v = 0; v < nv; ++v) {
-                const int64_t o = v * VW;
-                V s = V_FMA(x0, FN(w_load)(fmt, a->w, w0 + o), V_LOAD(ar + o));
-                s = V_FMA(x1, FN(w_load)(fmt, a->w, w1 + o), s);
-                s = V_FMA(x2, FN(w_load)(fmt, a->w, w2 + o), s);
-                V_STORE(ar + o, V_FMA(x3, FN(w_load)(fmt, a->w, w3 + o), s));
+                const int64_t o = w0 + v * VW;
+                V s = V_LOAD(ar + v * VW);
+                for (int i = 0; i < 8; ++i) s = V_FMA(xs[i], FN(w_load)(fmt, a->w, o + i * ld), s);
+                V_STORE(ar + v * VW, s);
             }
         }
     }
@@ -79,7 +79,8 @@ MH_INLINE void FN(linear_accumulate)(const int fmt, const mh_linear_args *a, int
 /* Columns [c0, c0 + nv*VW) of R rows over rows [k0, k1) of w, weights of format fmt,
    into dst (rows dst_row apart), starting from the bias (with_bias) or from zero.  The
    block's sums live in L1/L2 (at most MH_LINEAR_BLOCK_BYTES of them per row; half of
-   it for int8, whose groups have sums of their own, scaled as each group ends). */
+   it for int8 in groups, whose groups have sums of their own, scaled as each group
+   ends; int8 with one scale per column scales the whole sums at the end). */
 MH_INLINE void FN(linear_rows_block)(const int fmt, const mh_linear_args *a, int64_t c0,
                                      int64_t nv, const int R, int64_t k0, int64_t k1, T *dst,
                                      int64_t dst_row, int with_bias)
@@ -91,6 +92,16 @@ MH_INLINE void FN(linear_rows_block)(const int fmt, const mh_linear_args *a, int
             V_STORE(acc[r] + v * VW, bias ? V_LOAD(bias + c0 + v * VW) : V_ZERO());
     if (fmt != MH_STORE_I8) {
         FN(linear_accumulate)(fmt, a, c0, nv, R, k0, k1, acc);
+    } else if (a->group >= a->k) { /* one scale per column: scale the sums at the end */
+        const float *scale = a->w_scales + c0;
+        for (int r = 0; r < R; ++r)
+            for (int64_t v = 0; v < nv; ++v) V_STORE(acc[r] + v * VW, V_ZERO());
+        FN(linear_accumulate)(fmt, a, c0, nv, R, k0, k1, acc);
+        for (int r = 0; r < R; ++r)
+            for (int64_t v = 0; v < nv; ++v)
+                V_STORE(acc[r] + v * VW, V_FMA(FN(scales_load)(scale + v * VW),
+                                               V_LOAD(acc[r] + v * VW),
+                                               bias ? V_LOAD(bias + c0 + v * VW) : V_ZERO()));
     } else {
         T part[MH_FEW_ROWS][MH_LINEAR_BLOCK_BYTES / sizeof(T)];
         for (int64_t g0 = k0, g1; g0 < k1; g0 = g1) {

@@ -131,6 +131,7 @@ cdef extern from "mh_kernels.h" nogil:
     ctypedef void (*mh_linear_rows_fn)(const mh_linear_args *args, int64_t block) noexcept nogil
     void mh_linear_tile_f32(const mh_linear_args *args, int64_t tile)
     void mh_linear_tile_f64(const mh_linear_args *args, int64_t tile)
+    float mh_read_sum(const float *p, int64_t n)
     void mh_linear_merge_f32(const mh_linear_args *args, int64_t n_chunks)
     void mh_linear_merge_f64(const mh_linear_args *args, int64_t n_chunks)
     ctypedef void (*mh_linear_widen_fn)(const mh_linear_args *args, int64_t c0, int64_t cols,

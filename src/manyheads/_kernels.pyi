@@ -125,3 +125,6 @@ def rms_norm_rows(x: npt.NDArray[np.float32], weight: npt.NDArray[np.float32], e
 def rotate_heads(x: npt.NDArray[np.float32], cos: npt.NDArray[np.float32],
                  sin: npt.NDArray[np.float32]) -> None:
     """Rotate float32 x (B, H, T, D) in place (rotate_half layout on 2 * n features)."""
+
+def read_sum(data: npt.NDArray[np.float32], num_threads: int) -> float:
+    """Sum of data, read in contiguous runs on manyheads' threads (a read-rate measure)."""

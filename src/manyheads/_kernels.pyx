@@ -335,7 +335,7 @@ cdef LinearPlan _plan_linear(int64_t m, int64_t k, int64_t n, int num_threads, i
             # shape alone, so the sums' order never depends on the threads)
             p.tile_n = n
             p.chunks = min(LINEAR_K_CHUNKS, k // LINEAR_K_ROWS)
-            p.k_chunk = ((k + p.chunks - 1) // p.chunks + 3) // 4 * 4
+            p.k_chunk = ((k + p.chunks - 1) // p.chunks + 7) // 8 * 8
             p.chunks = (k + p.k_chunk - 1) // p.k_chunk
             p.n_items = p.chunks
         else:
@@ -372,6 +372,40 @@ def explain_linear(int64_t m, int64_t k, int64_t n, int num_threads, int itemsiz
     path = "few rows" if m <= MH_FEW_ROWS else ("widened stripes" if widened else "BLAS tiles")
     return {"path": path, "work_items": p.n_items, "tile": (p.tile_m, p.tile_n),
             "k_chunk": p.k_chunk, "threads": p.threads}
+
+
+cdef struct ReadJob:
+    const float *data
+    int64_t n, per_item
+    float *sums
+
+
+cdef void _read_item(const Job *j, int64_t it, char *scratch) noexcept nogil:
+    cdef const ReadJob *r = <const ReadJob *>j.lin
+    cdef int64_t start = it * r.per_item
+    cdef int64_t count = min(r.per_item, r.n - start)
+    r.sums[it] = mh_read_sum(r.data + start, count)
+
+
+def read_sum(const float[::1] data, int num_threads):
+    """Sum of ``data`` read as the few-rows product reads its weights: items of 64 KiB
+    contiguous runs on ``num_threads`` of manyheads' threads (the benchmark times it
+    for the machine's read rate).  The sum keeps the reads from being optimised away."""
+    cdef Job job
+    cdef ReadJob r
+    cdef int64_t n_items
+    r.data = &data[0] if data.shape[0] else NULL
+    r.n = data.shape[0]
+    r.per_item = 16384
+    n_items = (r.n + r.per_item - 1) // r.per_item
+    sums = np.zeros(max(n_items, 1), np.float32)
+    cdef float[::1] sv = sums
+    r.sums = &sv[0]
+    job.lin = <const mh_linear_args *>&r
+    job.scratch = NULL
+    job.stride = 0
+    _run_items(&job, _read_item, n_items, max(1, min(num_threads, n_items)), False)
+    return float(sums.sum(dtype=np.float64))
 
 
 cdef void _stripe_item(const Job *j, int64_t it, char *scratch) noexcept nogil:
@@ -416,7 +450,7 @@ def linear(x, w, bias, out, int num_threads, bint check_signals=False, int w_fmt
         return
     native = a.w_fmt == MH_STORE_F32 or a.w_fmt == MH_STORE_F64
     p = _plan_linear(a.m, a.k, a.n, num_threads, oa.dtype.itemsize,
-                     a.w_fmt == MH_STORE_I8, not native)
+                     a.w_fmt == MH_STORE_I8 and a.group < a.k, not native)
     a.tile_m = p.tile_m
     a.tile_n = p.tile_n
     a.k_chunk = p.k_chunk

@@ -1,0 +1,110 @@
+"""One-row products at the memory limit: ``mh.linear`` reading weights in each storage
+format, against the machine's read rate measured in the same run.
+
+Decoding one token reads every weight once, so a one-row product is bound by how fast
+the weights stream from memory.  The read rate is a plain streaming sum of a 512 MiB
+float32 buffer on manyheads' own threads (``_kernels.read_sum``: contiguous 64 KiB
+runs, the way the product reads a narrow weight).  Each product's weights are cold as
+in a deep model: enough copies of them (at least 256 MiB) are cycled through that none
+is in the last-level cache when it is read again.  Shapes are SmolLM2-135M's: the fused
+gate and up projection (576 x 3072), the down projection (1536 x 576) and the output
+head (576 x 49152).  NumPy's ``x @ W`` (float32, its BLAS's threads) is shown beside.
+
+Medians of interleaved rounds; every ratio from one run.
+
+    python benchmarks/bench_linear.py [--rounds 7] [--out FILE]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+if __package__ in (None, ""):
+    sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+import numpy as np  # noqa: E402
+
+import manyheads as mh  # noqa: E402
+from manyheads import _core, _kernels  # noqa: E402
+from manyheads.weights import convert_weight  # noqa: E402
+
+SHAPES = {"gate+up 576x3072": (576, 3072), "down 1536x576": (1536, 576),
+          "head 576x49152": (576, 49152)}
+FORMATS = ("float32", "bfloat16", "float16", "int8")
+COLD_BYTES = 256 << 20
+READ_BYTES = 512 << 20
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--out", help="also write the table to this file")
+    args = ap.parse_args()
+    threads = mh.get_num_threads()
+    rng = np.random.default_rng(0)
+    buf = np.ones(READ_BYTES // 4, np.float32)
+
+    cases = {}
+    for label, (k, n) in SHAPES.items():
+        base = rng.standard_normal((k, n), dtype=np.float32)
+        for fmt in FORMATS + ("numpy",):
+            one = convert_weight(base, "float32" if fmt == "numpy" else fmt)
+            copies = [one] + [convert_weight(base + np.float32(i), "float32" if fmt == "numpy"
+                                             else fmt)
+                              for i in range(1, -(-COLD_BYTES // one.nbytes))]
+            cases[(label, fmt)] = copies
+    x = {k: rng.standard_normal((1, k), dtype=np.float32) for k, _ in SHAPES.values()}
+
+    def run(label: str, fmt: str) -> float:
+        ws = cases[(label, fmt)]
+        xs = x[ws[0].shape[0]]
+        t = time.perf_counter()
+        for w in ws:
+            if fmt == "numpy":
+                xs @ w
+            else:
+                _core.linear(xs, w, None, threads)
+        return (time.perf_counter() - t) / len(ws)
+
+    def read() -> float:
+        t = time.perf_counter()
+        _kernels.read_sum(buf, threads)
+        return time.perf_counter() - t
+
+    times: dict[object, list[float]] = {key: [] for key in cases}
+    reads: list[float] = []
+    for key in cases:  # warm-up: first touches, thread start
+        run(*key)
+    read()
+    for _ in range(args.rounds):
+        reads.append(read())
+        for key in cases:
+            times[key].append(run(*key))
+    read_rate = READ_BYTES / float(np.median(reads)) / 1e9
+
+    lines = [f"manyheads {mh.__version__} ({mh.kernel_isa()}), {threads} threads; "
+             f"medians of {args.rounds} interleaved rounds",
+             f"read rate (streaming sum of 512 MiB on manyheads' threads): {read_rate:.1f} GB/s",
+             "",
+             f"{'one-row product':<20}{'weights':<10}{'MiB':>8}{'us':>10}{'GB/s':>8}"
+             f"{'of read rate':>14}"]
+    for (label, fmt), ts in times.items():
+        w = cases[(label, fmt)][0]
+        sec = float(np.median(ts))
+        rate = w.nbytes / sec / 1e9
+        name = "NumPy x @ W f32" if fmt == "numpy" else fmt
+        lines.append(f"{label:<20}{name:<10}{w.nbytes / 2**20:8.1f}{sec * 1e6:10.0f}"
+                     f"{rate:8.1f}{rate / read_rate:13.0%}")
+    text = "\n".join(lines)
+    print(text)
+    if args.out:
+        with open(args.out, "w", encoding="utf-8") as f:
+            f.write(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
