@@ -93,7 +93,8 @@ class Int8Weight:
     def columns(self, cols: Any) -> np.ndarray:
         """Columns ``cols`` (an index or slice of the output axis) as float32, (k, len)."""
         scales = np.repeat(self.scales[:, cols], self.group_size, axis=0)[: self.shape[0]]
-        return self.data[:, cols].astype(np.float32) * scales
+        out: np.ndarray = self.data[:, cols].astype(np.float32) * scales
+        return out
 
     def __repr__(self) -> str:
         k, n = self.shape

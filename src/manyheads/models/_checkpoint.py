@@ -290,7 +290,8 @@ class Checkpoint(TensorSource):
         if code in _ML_DTYPES:
             # NumPy alone has no such dtype; ml_dtypes provides it
             ml = require_package("ml_dtypes", "reading a bfloat16 or float8 checkpoint")
-            return np.dtype(getattr(ml, _ML_DTYPES[code]))
+            found: np.dtype = np.dtype(getattr(ml, _ML_DTYPES[code]))
+            return found
         raise ValueError(f"tensor {name!r} has dtype {code}; expected floating point "
                          "weights (quantised checkpoints are not supported)")
 
