@@ -433,9 +433,9 @@ def main() -> int:
         "both runs; after load: the peak when the model had loaded; at end: resident after "
         "the runs.  With the library imported, before loading, the interpreter held "
         f"{imp['llama.cpp']:.0f} MiB (llama.cpp) and {imp['manyheads']:.0f} MiB (manyheads).  "
-        "llama.cpp maps the GGUF file and computes from the mapping; manyheads maps the "
-        "float32 safetensors and copies each weight into its format, so its peak holds "
-        "both.")
+        "llama.cpp maps the GGUF file and computes from the mapping; manyheads reads the "
+        "safetensors file a slice of rows at a time into the chosen precision (no "
+        "mapping), so it holds about its weights in that precision.")
     say("  each round, prefill / decode tok/s (a busy machine shows here first):")
     for _, _, label in PRECISIONS:
         for engine in engines:
