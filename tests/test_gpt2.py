@@ -69,3 +69,31 @@ def test_from_transformers_refuses_other_models():
                                    num_attention_heads=4, vocab_size=50)
     with pytest.raises(TypeError, match="not a Hugging Face GPT-2 model"):
         GPT2.from_transformers(transformers.LlamaForCausalLM(cfg))
+
+
+@pytest.mark.parametrize("weight_dtype", ["bfloat16", "int8"])
+def test_a_gpt2_checkpoint_in_another_precision(hf_model, tmp_path, weight_dtype):
+    """GPT-2's Conv1D weights are stored (in, out): they load in any weight_dtype too, as
+    the same model with its weights rounded, and nothing else."""
+    pytest.importorskip("ml_dtypes")
+    from manyheads import Int8Weight
+    from manyheads.models import from_pretrained
+    from manyheads.weights import convert_weight
+
+    def rounded(w):
+        if weight_dtype == "int8":
+            return Int8Weight.quantize(w).dequantize()
+        return convert_weight(w, weight_dtype).astype(np.float32)
+
+    hf_model.save_pretrained(tmp_path, safe_serialization=True)
+    ours = from_pretrained(tmp_path, weight_dtype=weight_dtype)
+    assert ours.weight_dtype == weight_dtype
+    ref = from_pretrained(tmp_path)
+    for b in ref.blocks:
+        b.attn.W_qkv, b.attn.W_out = rounded(b.attn.W_qkv), rounded(b.attn.W_out)
+        b.fc, b.proj = (rounded(b.fc[0]), b.fc[1]), (rounded(b.proj[0]), b.proj[1])
+    ref.head = rounded(ref.head)
+    ids = np.random.default_rng(3).integers(0, ours.vocab_size, size=(1, 12))
+    want = ref.logits(ids)
+    np.testing.assert_allclose(ours.logits(ids), want, rtol=0,
+                               atol=1e-5 * np.abs(want).max())

@@ -170,3 +170,15 @@ def test_a_module_runs_on_stored_projection_weights(rng, fmt):
         m(x[:, :8], cache=c)
     np.testing.assert_allclose(stored(x[:, 8:], cache=caches[0]),
                                plain(x[:, 8:], cache=caches[1]), rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("fmt", ["float32", "bfloat16", "int8"])
+@pytest.mark.parametrize("rows", [1, 7])
+def test_an_empty_depth_gives_the_bias(fmt, rows):
+    x = np.ones((rows, 0), np.float32)
+    w32 = np.ones((0, 5), np.float32)
+    w = mh.Int8Weight.quantize(w32) if fmt == "int8" else (w32 if fmt == "float32"
+                                                            else _stored(w32, fmt))
+    b = np.arange(5, dtype=np.float32)
+    np.testing.assert_array_equal(mh.linear(x, w, b), np.broadcast_to(b, (rows, 5)))
+    np.testing.assert_array_equal(mh.linear(x, w), np.zeros((rows, 5), np.float32))

@@ -414,11 +414,14 @@ def linear(x: np.ndarray, w: Any, bias: np.ndarray | None, num_threads: int) -> 
     result is the same bits for any thread count.
     """
     lead, k = x.shape[:-1], x.shape[-1]
-    x2 = _rows_ready(x.reshape(-1, k))
+    x2 = _rows_ready(x.reshape(math.prod(lead), k))
     fmt, data, scales, group = _weight_parts(w)
     n = data.shape[1]
     out = np.empty((x2.shape[0], n), dtype=x2.dtype)
     b = bias if bias is None or bias.flags.c_contiguous else np.ascontiguousarray(bias)
+    if k == 0:  # an empty sum: the bias alone
+        out[...] = 0 if b is None else b
+        return out.reshape(lead + (n,))
     if x2.shape[0] <= _kernels.FEW_ROWS:  # the kernels' own product, no BLAS
         _kernels.linear(x2, data, b, out, int(num_threads), _on_main_thread(), fmt, scales,
                         group)

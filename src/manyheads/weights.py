@@ -60,7 +60,7 @@ class Int8Weight:
         if a.ndim != 2 or a.dtype.kind != "f":
             raise TypeError(f"w must be a 2-D float array, got {a.dtype} of shape {a.shape}")
         k, n = a.shape
-        g = k if group_size is None else group_size
+        g = max(k, 1) if group_size is None else group_size
         if not isinstance(g, (int, np.integer)) or isinstance(g, bool) or not 1 <= g <= max(k, 1):
             raise ValueError(f"group_size must be None or an int in [1, {k}], got {group_size!r}")
         g = max(int(g), 1)

@@ -163,10 +163,9 @@ class DecoderModel:
 
     @property
     def weight_dtype(self) -> str:
-        """How the projections and embeddings are stored: float32, bfloat16, float16 or
-        int8 (see ``from_pretrained(..., weight_dtype=...)``); "mixed" if they differ."""
-        kinds = {weight_format(p) for p in self.parameters() if len(p.shape) == 2}
-        return kinds.pop() if len(kinds) == 1 else "mixed"
+        """How the projections and embeddings are stored (the LM head's format):
+        float32, bfloat16, float16 or int8 (``from_pretrained(..., weight_dtype=...)``)."""
+        return weight_format(self.head)
 
     @property
     def nbytes(self) -> int:
