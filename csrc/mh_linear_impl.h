@@ -13,6 +13,9 @@
  * the path's multiply-add, so the column blocking never changes a bit.
  */
 
+/* sums of T a row of a few-rows block */
+#define MH_LINEAR_SUMS ((int64_t)(MH_LINEAR_BLOCK_BYTES / sizeof(T)))
+
 /* VW weights of format fmt at element i of w, widened to V (fmt is a constant where
    this is inlined, so the switch folds away). */
 MH_INLINE V FN(w_load)(const int fmt, const void *w, int64_t i)
@@ -47,7 +50,7 @@ MH_INLINE V FN(scales_load)(const float *s)
    of sums, which the hardware prefetchers stream at the memory's rate). */
 MH_INLINE void FN(linear_accumulate)(const int fmt, const mh_linear_args *a, int64_t c0,
                                      int64_t nv, const int R, int64_t k0, int64_t k1,
-                                     T (*acc)[MH_LINEAR_BLOCK_BYTES / sizeof(T)])
+                                     T *acc, int64_t acc_row)
 {
     const T *x = (const T *)a->x;
     const int64_t ld = a->w_row;
@@ -58,7 +61,7 @@ MH_INLINE void FN(linear_accumulate)(const int fmt, const mh_linear_args *a, int
             const T *xr = x + r * a->x_row + kk;
             V xs[8];
             for (int i = 0; i < 8; ++i) xs[i] = V_SET1(xr[i]);
-            T *ar = acc[r];
+            T *ar = acc + r * acc_row;
             for (int64_t v = 0; v < nv; ++v) {
                 const int64_t o = w0 + v * VW;
                 V s = V_LOAD(ar + v * VW);
@@ -70,9 +73,10 @@ MH_INLINE void FN(linear_accumulate)(const int fmt, const mh_linear_args *a, int
     for (; kk < k1; ++kk)
         for (int r = 0; r < R; ++r) {
             const V xs = V_SET1(x[r * a->x_row + kk]);
+            T *ar = acc + r * acc_row;
             for (int64_t v = 0; v < nv; ++v)
-                V_STORE(acc[r] + v * VW, V_FMA(xs, FN(w_load)(fmt, a->w, kk * ld + c0 + v * VW),
-                                               V_LOAD(acc[r] + v * VW)));
+                V_STORE(ar + v * VW, V_FMA(xs, FN(w_load)(fmt, a->w, kk * ld + c0 + v * VW),
+                                           V_LOAD(ar + v * VW)));
         }
 }
 
@@ -86,34 +90,35 @@ MH_INLINE void FN(linear_rows_block)(const int fmt, const mh_linear_args *a, int
                                      int64_t dst_row, int with_bias)
 {
     const T *bias = with_bias ? (const T *)a->bias : NULL;
-    T acc[MH_FEW_ROWS][MH_LINEAR_BLOCK_BYTES / sizeof(T)];
+    T acc[MH_FEW_ROWS][MH_LINEAR_SUMS];
     for (int r = 0; r < R; ++r)
         for (int64_t v = 0; v < nv; ++v)
             V_STORE(acc[r] + v * VW, bias ? V_LOAD(bias + c0 + v * VW) : V_ZERO());
     if (fmt != MH_STORE_I8) {
-        FN(linear_accumulate)(fmt, a, c0, nv, R, k0, k1, acc);
+        FN(linear_accumulate)(fmt, a, c0, nv, R, k0, k1, acc[0], MH_LINEAR_SUMS);
     } else if (a->group >= a->k) { /* one scale per column: scale the sums at the end */
         const float *scale = a->w_scales + c0;
         for (int r = 0; r < R; ++r)
             for (int64_t v = 0; v < nv; ++v) V_STORE(acc[r] + v * VW, V_ZERO());
-        FN(linear_accumulate)(fmt, a, c0, nv, R, k0, k1, acc);
+        FN(linear_accumulate)(fmt, a, c0, nv, R, k0, k1, acc[0], MH_LINEAR_SUMS);
         for (int r = 0; r < R; ++r)
             for (int64_t v = 0; v < nv; ++v)
                 V_STORE(acc[r] + v * VW, V_FMA(FN(scales_load)(scale + v * VW),
                                                V_LOAD(acc[r] + v * VW),
                                                bias ? V_LOAD(bias + c0 + v * VW) : V_ZERO()));
-    } else {
-        T part[MH_FEW_ROWS][MH_LINEAR_BLOCK_BYTES / sizeof(T)];
+    } else { /* groups: the plan keeps the block to half a row of acc; the group's own
+                sums live in the other half */
+        const int64_t half = MH_LINEAR_SUMS / 2;
         for (int64_t g0 = k0, g1; g0 < k1; g0 = g1) {
             g1 = (g0 / a->group + 1) * a->group < k1 ? (g0 / a->group + 1) * a->group : k1;
             const float *scale = a->w_scales + (g0 / a->group) * a->n + c0;
             for (int r = 0; r < R; ++r)
-                for (int64_t v = 0; v < nv; ++v) V_STORE(part[r] + v * VW, V_ZERO());
-            FN(linear_accumulate)(fmt, a, c0, nv, R, g0, g1, part);
+                for (int64_t v = 0; v < nv; ++v) V_STORE(acc[r] + half + v * VW, V_ZERO());
+            FN(linear_accumulate)(fmt, a, c0, nv, R, g0, g1, acc[0] + half, MH_LINEAR_SUMS);
             for (int r = 0; r < R; ++r)
                 for (int64_t v = 0; v < nv; ++v)
                     V_STORE(acc[r] + v * VW, V_FMA(FN(scales_load)(scale + v * VW),
-                                                   V_LOAD(part[r] + v * VW),
+                                                   V_LOAD(acc[r] + half + v * VW),
                                                    V_LOAD(acc[r] + v * VW)));
         }
     }
@@ -151,8 +156,8 @@ static void FN(linear_rows_column)(const mh_linear_args *a, int64_t c, int R, in
 /* mh_linear_rows_fn: item = (chunk of k, block of columns), block-minor.  With one chunk
    (a->partial NULL) an item writes its columns of the output, bias included; with
    several, its chunk's sums into a->partial, which mh_linear_merge adds in chunk order.
-   The plan makes a block's sums at most MH_LINEAR_BLOCK_BYTES a row (half for int8)
-   and a multiple of 16 columns. */
+   The plan makes a block's sums at most MH_LINEAR_BLOCK_BYTES a row (half for int8 in
+   groups), a multiple of 16 columns or, for a narrow w cut along k, all of them. */
 void FN(mh_linear_rows_item)(const mh_linear_args *a, int64_t item)
 {
     const int64_t n_blocks = (a->n + a->tile_n - 1) / a->tile_n;

@@ -182,3 +182,67 @@ def test_an_empty_depth_gives_the_bias(fmt, rows):
     b = np.arange(5, dtype=np.float32)
     np.testing.assert_array_equal(mh.linear(x, w, b), np.broadcast_to(b, (rows, 5)))
     np.testing.assert_array_equal(mh.linear(x, w), np.zeros((rows, 5), np.float32))
+
+
+def test_int8_weight_parts_cannot_be_swapped_after_construction(rng):
+    """The kernels trust that an Int8Weight's values, scales and group size agree."""
+    w = mh.Int8Weight.quantize(rng.standard_normal((64, 32)), 16)
+    for name, value in (("group_size", 1), ("data", np.ones((64, 64), np.int8)),
+                        ("scales", np.ones((1, 1), np.float32))):
+        with pytest.raises(AttributeError):
+            setattr(w, name, value)
+
+
+def test_quantize_takes_bfloat16():
+    import ml_dtypes
+    w = np.linspace(-1, 1, 12, dtype=np.float32).reshape(3, 4)
+    q = mh.Int8Weight.quantize(w.astype(ml_dtypes.bfloat16))
+    np.testing.assert_allclose(q.dequantize(), w.astype(ml_dtypes.bfloat16).astype(np.float32),
+                               rtol=0, atol=1 / 254 + 1e-6)
+
+
+def test_a_weight_in_the_other_byte_order_is_refused(rng):
+    x = rng.standard_normal((1, 8)).astype(np.float32)
+    with pytest.raises(TypeError, match="byte order"):
+        mh.linear(x, np.ones((8, 3), ">f2"))
+
+
+def test_array_like_weights_are_read_as_before():
+    out = mh.linear(np.ones((1, 2)), [[1.0, 2.0], [3.0, 4.0]])
+    np.testing.assert_array_equal(out, [[4.0, 6.0]])
+
+
+@pytest.mark.parametrize("rows", [2, 8])
+def test_stored_weights_under_float64_inputs_are_widened(rng, rows):
+    """The core (which modules call) widens a stored weight for float64 inputs."""
+    from manyheads import _core
+    x = rng.standard_normal((rows, 40))
+    w = rng.standard_normal((40, 30)).astype(np.float16)
+    got = _core.linear(x, w, None, 2)
+    assert got.dtype == np.float64
+    np.testing.assert_allclose(got, x @ w.astype(np.float64), rtol=0, atol=1e-12)
+
+
+def test_few_rows_run_on_a_thread_with_a_small_stack():
+    """A few-rows block keeps its sums on the stack (128 KiB): a thread started with
+    threading.stack_size(256 KiB) runs every weight format (in a child process, so a
+    crash would fail the test instead of the run)."""
+    import subprocess
+    import sys
+    code = """
+import threading, numpy as np, manyheads as mh
+def work():
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((4, 256)).astype(np.float32)
+    w = rng.standard_normal((256, 40000)).astype(np.float32)
+    for weight in (w, w.astype(np.float16), mh.Int8Weight.quantize(w),
+                   mh.Int8Weight.quantize(w, 32)):
+        assert np.isfinite(mh.linear(x, weight)).all()
+    print("ok")
+threading.stack_size(256 * 1024)
+t = threading.Thread(target=work)
+t.start(); t.join()
+"""
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=300)
+    assert res.returncode == 0 and res.stdout.strip() == "ok", res.stderr[-2000:]

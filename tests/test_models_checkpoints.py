@@ -223,3 +223,36 @@ def test_random_checkpoint_loads_in_transformers_with_equal_logits(arch, tmp_pat
         ref = hf(torch.from_numpy(ids)).logits.numpy()
     ours = from_pretrained(d).logits(ids)
     assert np.abs(ours - ref).max() <= 1e-4 * np.abs(ref).max()
+
+
+@pytest.mark.parametrize("entry, match", [
+    ({"dtype": "F32", "shape": [2, 2], "data_offsets": [-16, 0]}, "malformed"),
+    ({"dtype": "F32", "shape": [4, 4], "data_offsets": [0, 16]}, "16 bytes for shape"),
+    ({"dtype": "F32", "shape": "44", "data_offsets": [0, 64]}, "malformed"),
+    ({"dtype": "F32", "shape": [True, 4], "data_offsets": [0, 16]}, "malformed"),
+])
+def test_a_safetensors_entry_must_match_its_bytes(llama_dir, tmp_path, entry, match):
+    """Each entry's byte range must lie in the file and hold exactly its shape's bytes."""
+    import shutil
+    folder = tmp_path / "bad"
+    shutil.copytree(llama_dir, folder)
+    path = folder / "model.safetensors"
+    raw = path.read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8:8 + n])
+    header["extra.weight"] = entry
+    text = json.dumps(header).encode()
+    path.write_bytes(len(text).to_bytes(8, "little") + text + raw[8 + n:])
+    with pytest.raises(ValueError, match=match):
+        from_pretrained(folder)
+
+
+def test_int8_from_a_bfloat16_checkpoint(tmp_path):
+    """Quantising at load reads a bfloat16 file's slices as they are stored."""
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    folder = save_random_checkpoint(tmp_path / "bf16", "llama", dtype=ml_dtypes.bfloat16)
+    model = from_pretrained(folder, weight_dtype="int8")
+    assert model.weight_dtype == "int8"
+    ref = from_pretrained(folder).logits([[1, 2, 3, 4]])
+    got = model.logits([[1, 2, 3, 4]])
+    assert 0 < np.abs(got - ref).max() <= 0.25 * np.abs(ref).max()

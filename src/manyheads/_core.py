@@ -416,6 +416,8 @@ def linear(x: np.ndarray, w: Any, bias: np.ndarray | None, num_threads: int) -> 
     lead, k = x.shape[:-1], x.shape[-1]
     x2 = _rows_ready(x.reshape(math.prod(lead), k))
     fmt, data, scales, group = _weight_parts(w)
+    if fmt >= 0 and x2.dtype != _FLOAT32:  # stored weights serve float32 kernels only
+        fmt, data, scales, group = -1, _widened(w).astype(x2.dtype), None, 0
     n = data.shape[1]
     out = np.empty((x2.shape[0], n), dtype=x2.dtype)
     b = bias if bias is None or bias.flags.c_contiguous else np.ascontiguousarray(bias)
@@ -482,7 +484,7 @@ def rotate(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> None:
     """Rotate the first ``2 * n`` features of x (..., T, D) in place by angles whose cos
     and sin are (T, n) (``rotate_half`` layout within those features; the rest, as with
     a partial rotary factor, are left as they are)."""
-    if x.ndim == 4 and x.dtype == np.float32 and cos.dtype == np.float32 \
+    if x.ndim == 4 and x.dtype == np.float32 and cos.dtype == sin.dtype == np.float32 \
             and x.strides[-1] % 4 == 0 and x.flags.writeable:
         _kernels.rotate_heads(x, np.ascontiguousarray(cos), np.ascontiguousarray(sin))
         return

@@ -13,7 +13,7 @@ import numpy as np
 
 from . import _config, _core
 from ._core import CallPlan, ItemPlan
-from .weights import weight_format
+from .weights import Int8Weight, weight_format
 from ._validate import (ATTENTION_DTYPES_TEXT, FLOAT_DTYPES,
                         as_attention_array, as_float_array, check_bool,
                         check_dropout, check_optional_real, check_score_features, is_half,
@@ -302,9 +302,10 @@ def linear(x: Any, weight: Any, bias: Any = None, *, num_threads: int | None = N
     weight : ndarray or Int8Weight, shape (in_features, out_features)
         Of x's dtype, or, with float32 x, stored in its own precision and read in
         place: float16, ``ml_dtypes.bfloat16`` or an
-        :class:`~manyheads.weights.Int8Weight` (int8 with float32 scales).  A
-        half-precision weight gives the bits of the same product with the weight
-        widened to float32 first.
+        :class:`~manyheads.weights.Int8Weight` (int8 with float32 scales).  With
+        one to four rows, a half-precision weight gives the bits of the same
+        product with the weight widened to float32 first (more rows: the same
+        values within float32 rounding).
     bias : ndarray, shape (out_features,), optional
         Of x's dtype (float32 or float64).
     num_threads : int, optional, keyword-only
@@ -315,6 +316,8 @@ def linear(x: Any, weight: Any, bias: Any = None, *, num_threads: int | None = N
     ndarray, shape (..., out_features), of x's dtype
     """
     xa = as_float_array(x, "x")
+    if not isinstance(weight, (np.ndarray, Int8Weight)):  # an array-like: float64 or float32
+        weight = as_float_array(weight, "weight")
     fmt = weight_format(weight)
     w = weight if fmt in ("int8", "float16", "bfloat16") else as_float_array(weight, "weight")
     b = None if bias is None else as_float_array(bias, "bias")

@@ -19,6 +19,8 @@ __all__ = ["Int8Weight", "WEIGHT_DTYPES", "convert_weight", "weight_format", "jo
            "gather_columns"]
 
 WEIGHT_DTYPES = ("float32", "bfloat16", "float16", "int8")
+# float types ml_dtypes adds (NumPy's kind "V"), which quantize widens like any float
+_ML_FLOATS = ("bfloat16", "float8_e4m3fn", "float8_e5m2")
 
 
 class Int8Weight:
@@ -36,28 +38,45 @@ class Int8Weight:
     group_size : int
     """
 
-    __slots__ = ("data", "scales", "group_size")
+    __slots__ = ("_data", "_scales", "_group_size")
 
     def __init__(self, data: np.ndarray, scales: np.ndarray, group_size: int) -> None:
         if not isinstance(data, np.ndarray) or data.dtype != np.int8 or data.ndim != 2:
             raise TypeError("data must be a 2-D int8 array (in_features, out_features)")
         k, n = data.shape
-        if not isinstance(group_size, (int, np.integer)) or not 1 <= group_size <= max(k, 1):
-            raise ValueError(f"group_size must be an int in [1, {k}], got {group_size!r}")
-        groups = -(-k // int(group_size)) if k else 0
+        if (not isinstance(group_size, (int, np.integer)) or isinstance(group_size, bool)
+                or not 1 <= group_size <= max(k, 1)):
+            raise ValueError(f"group_size must be an int in [1, {max(k, 1)}], got {group_size!r}")
+        groups = -(-k // int(group_size))
         if (not isinstance(scales, np.ndarray) or scales.dtype != np.float32
-                or scales.shape != (groups, n)):
+                or not scales.dtype.isnative or scales.shape != (groups, n)):
             raise TypeError(f"scales must be a float32 array of shape ({groups}, {n})")
-        self.data = np.ascontiguousarray(data)
-        self.scales = np.ascontiguousarray(scales)
-        self.group_size = int(group_size)
+        self._data = np.ascontiguousarray(data)
+        self._scales = np.ascontiguousarray(scales)
+        self._group_size = int(group_size)
+
+    # read-only: the kernels trust that data, scales and group_size agree
+    @property
+    def data(self) -> np.ndarray:
+        """The int8 values, (in_features, out_features), C-contiguous."""
+        return self._data
+
+    @property
+    def scales(self) -> np.ndarray:
+        """The float32 scales, (ceil(in_features / group_size), out_features)."""
+        return self._scales
+
+    @property
+    def group_size(self) -> int:
+        """Input rows that share a scale (in_features: one scale per output column)."""
+        return self._group_size
 
     @classmethod
     def quantize(cls, w: Any, group_size: int | None = None) -> "Int8Weight":
         """``w`` (k, n) rounded to int8 with scale ``max|w| / 127`` per output column
         (``group_size`` None) or per group of ``group_size`` rows and column."""
         a = np.asarray(w)
-        if a.ndim != 2 or a.dtype.kind != "f":
+        if a.ndim != 2 or not (a.dtype.kind == "f" or a.dtype.name in _ML_FLOATS):
             raise TypeError(f"w must be a 2-D float array, got {a.dtype} of shape {a.shape}")
         k, n = a.shape
         g = max(k, 1) if group_size is None else group_size
@@ -109,6 +128,9 @@ def weight_format(w: Any) -> str:
     dt = getattr(w, "dtype", None)
     name = getattr(dt, "name", None)
     if isinstance(w, np.ndarray) and name in ("float32", "float64", "float16", "bfloat16"):
+        if not w.dtype.isnative:
+            raise TypeError(f"weight must be in the machine's byte order, got {w.dtype.str}; "
+                            "convert it with weight.astype(weight.dtype.newbyteorder('='))")
         return str(name)
     raise TypeError("weight must be an ndarray of float32, float64, float16 or "
                     f"ml_dtypes.bfloat16, or an Int8Weight; got {type(w).__name__}"

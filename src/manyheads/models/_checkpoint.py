@@ -12,6 +12,7 @@ names the ``models`` extra.
 from __future__ import annotations
 
 import json
+import math
 import os
 from typing import Any, Callable
 
@@ -107,6 +108,14 @@ _ROWS_PER_READ = 4096  # rows of a weight read, converted and placed at a time
 # safetensors dtype codes of float tensors -> NumPy dtypes (and those ml_dtypes provides)
 _NUMPY_DTYPES = {"F64": "<f8", "F32": "<f4", "F16": "<f2"}
 _ML_DTYPES = {"BF16": "bfloat16", "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2"}
+# bytes per element of every safetensors dtype code, to check each entry's byte range
+_ITEM_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1,
+               "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U64": 8, "U32": 4, "U16": 2, "U8": 1,
+               "BOOL": 1}
+
+
+def _is_count(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
 
 
 class TensorSource:
@@ -236,13 +245,21 @@ class Checkpoint(TensorSource):
             if key == "__metadata__":
                 continue
             try:
-                dtype, shape = str(info["dtype"]), tuple(int(d) for d in info["shape"])
-                begin, end = (int(o) for o in info["data_offsets"])
-            except (KeyError, TypeError, ValueError):
+                dtype, dims, offsets = info["dtype"], info["shape"], info["data_offsets"]
+            except (KeyError, TypeError):
                 raise ValueError(f"malformed safetensors entry {key!r} in {name!r}") from None
-            self._tensors[key] = (name, dtype, shape, 8 + n + begin)
+            if not (isinstance(dtype, str) and isinstance(dims, list)
+                    and all(_is_count(d) for d in dims) and isinstance(offsets, list)
+                    and len(offsets) == 2 and all(_is_count(o) for o in offsets)):
+                raise ValueError(f"malformed safetensors entry {key!r} in {name!r}")
+            begin, end = offsets
             if begin > end or 8 + n + end > size:
                 raise ValueError(f"tensor {key!r} lies outside the file {name!r}")
+            width = _ITEM_BYTES.get(dtype)
+            if width is not None and end - begin != math.prod(dims) * width:
+                raise ValueError(f"malformed safetensors entry {key!r} in {name!r}: "
+                                 f"{end - begin} bytes for shape {dims} of {dtype}")
+            self._tensors[key] = (name, dtype, tuple(dims), 8 + n + begin)
 
     def _shard_names(self) -> list[str]:
         index = os.path.join(self.folder, INDEX_FILE)
