@@ -31,11 +31,11 @@ import numpy as np  # noqa: E402
 
 import manyheads as mh  # noqa: E402
 from manyheads import _core, _kernels  # noqa: E402
-from manyheads.weights import convert_weight  # noqa: E402
+from manyheads.weights import WEIGHT_DTYPES, convert_weight  # noqa: E402
 
 SHAPES = {"gate+up 576x3072": (576, 3072), "down 1536x576": (1536, 576),
           "head 576x49152": (576, 49152)}
-FORMATS = ("float32", "bfloat16", "float16", "int8")
+FORMATS = WEIGHT_DTYPES
 COLD_BYTES = 256 << 20
 READ_BYTES = 512 << 20
 

@@ -23,6 +23,7 @@ import numpy as np
 import manyheads as mh
 from manyheads import oracle
 from manyheads.cache import FORMATS
+from manyheads.weights import WEIGHT_DTYPES
 
 DEMO_TEXT = (
     "Attention lets every token of a sequence look back at the tokens before it and "
@@ -608,7 +609,7 @@ def _add_model_flags(p: argparse.ArgumentParser, max_new_tokens: int) -> None:
     p.add_argument("--cache-dtype", choices=CACHE_ONLY_FORMATS,
                    help="KV cache storage (default: float32, the model's own)")
     p.add_argument("--weight-dtype", default="float32",
-                   choices=("float32", "auto", "bfloat16", "float16", "int8"),
+                   choices=WEIGHT_DTYPES + ("auto",),
                    help="how the weights are held: auto keeps the file's precision; int8 "
                         "quantises per output column at load (default: %(default)s)")
     s = p.add_argument_group("sampling (transformers' meanings and order; default: greedy)")

@@ -18,7 +18,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from .. import _formats
+from .. import _formats, weights
 from ..weights import Int8Weight, convert_weight
 
 __all__ = ["TensorSource", "Checkpoint", "ArrayTensors", "read_config", "config_int", "config_float",
@@ -103,7 +103,7 @@ def config_float(cfg: dict[str, Any], *names: str, default: float | None = None)
         and bool(np.isfinite(v)) and v > 0, default))
 
 
-WEIGHT_DTYPES = ("float32", "bfloat16", "float16", "int8", "auto")
+WEIGHT_DTYPES = weights.WEIGHT_DTYPES + ("auto",)  # and "auto": the tensor's own
 _ROWS_PER_READ = 4096  # rows of a weight read, converted and placed at a time
 # safetensors dtype codes of float tensors -> NumPy dtypes (and those ml_dtypes provides)
 _NUMPY_DTYPES = {"F64": "<f8", "F32": "<f4", "F16": "<f2"}
