@@ -43,6 +43,25 @@ def test_rotation_of_strided_heads_is_the_rotate_half_formula(rng, partial):
     np.testing.assert_array_equal(packed[..., H * D:], untouched)
 
 
+def test_silu_times_up_matches_its_definition(rng):
+    """SwiGLU's act(gate) * up in one compiled pass, against float64, including where
+    exp(-g) overflows (silu(g) is then -0.0, or NaN at -inf, as in float32 NumPy)."""
+    F = 37
+    gu = (rng.standard_normal((3, 2 * F)) * 6).astype(np.float32)
+    gu[0, :8] = [-1000, -100, -88.9, -87.5, 0, 87.5, np.inf, 100]
+    with np.errstate(over="ignore"):
+        g = gu[:, :F].astype(np.float64)
+        want = g / (1 + np.exp(-g)) * gu[:, F:]
+    out = np.empty((3, F), np.float32)
+    _kernels.silu_mul(gu, out)
+    np.testing.assert_allclose(out, want, rtol=1e-6, atol=1e-30)
+    assert np.signbit(out[0, :3] * np.sign(gu[0, F:F + 3])).all()  # -0.0 times up
+    edge = np.array([[-np.inf, np.nan, 1.0, 1.0]], np.float32)
+    got = np.empty((1, 2), np.float32)
+    _kernels.silu_mul(edge, got)
+    assert np.isnan(got).all()  # -inf * sigmoid(-inf) and NaN: NaN, as NumPy gives
+
+
 def test_the_compiled_steps_check_their_arguments():
     with pytest.raises(ValueError, match="shapes"):
         _kernels.rms_norm_rows(np.ones((2, 3), np.float32), np.ones(4, np.float32), 1e-5,
@@ -50,3 +69,5 @@ def test_the_compiled_steps_check_their_arguments():
     with pytest.raises(ValueError, match="rotate_heads"):
         _kernels.rotate_heads(np.ones((1, 1, 2, 4), np.float32), np.ones((2, 3), np.float32),
                               np.ones((2, 3), np.float32))
+    with pytest.raises(ValueError, match="silu_mul"):
+        _kernels.silu_mul(np.ones((2, 6), np.float32), np.empty((2, 2), np.float32))

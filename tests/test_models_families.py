@@ -336,3 +336,43 @@ def test_bad_family_settings_are_named(gemma3_dir, tmp_path, changes, match):
         (tmp_path / name).write_bytes(json.dumps(cfg).encode() if name == "config.json" else data)
     with pytest.raises(ValueError, match=match):
         from_pretrained(tmp_path)
+
+
+def test_the_lean_decode_step_is_the_general_step_bit_for_bit(pair, monkeypatch):
+    """A decoding step without padding takes DecoderAttention.decode (the weights'
+    kernel layout kept, the cache attended directly); it must give the logits of the
+    general module path exactly, in every cache format the model's head size allows
+    (int4 needs a multiple of 32), with the sliding layers' rings wrapping (11 + 10
+    tokens through windows of 8) and two rows at once."""
+    from manyheads.models import llama
+
+    family, _, _, model = pair
+    calls = []
+    lean_attention = llama.DecoderAttention.decode
+
+    def counted(self, *args, **kwargs):
+        calls.append(1)
+        return lean_attention(self, *args, **kwargs)
+
+    ids = np.stack([np.arange(11), np.arange(11)[::-1] * 3]) % VOCAB
+
+    def steps(cache_dtype):
+        caches = model.new_caches(2, 21, cache_dtype)
+        z = model.logits(ids, caches=caches, last_only=True)
+        out = []
+        for _ in range(10):
+            tok = np.argmax(z[:, -1], axis=-1)[:, None]
+            z = model.logits(tok, caches=caches, last_only=True)
+            out.append(z)
+        return out
+
+    formats = [None, "float16", "int8"] + (["int4"] if model.head_dim % 32 == 0 else [])
+    monkeypatch.setattr(llama.DecoderAttention, "decode", counted)
+    lean = [steps(f) for f in formats]
+    assert len(calls) == len(formats) * 10 * model.num_layers  # every step, every layer
+    monkeypatch.setattr(llama.LlamaBlock, "decode", None)
+    general = [steps(f) for f in formats]
+    assert len(calls) == len(formats) * 10 * model.num_layers
+    for fmt, a_steps, b_steps in zip(formats, lean, general):
+        for a, b in zip(a_steps, b_steps):
+            np.testing.assert_array_equal(a, b, err_msg=f"cache {fmt}")

@@ -130,6 +130,7 @@ def _heads_batch(q: np.ndarray, kvs: tuple[np.ndarray, ...], enable_gqa: bool
 
 
 _FLOAT32 = np.dtype(np.float32)
+_FORMAT_F32 = _formats.FORMATS["float32"]
 
 
 @dataclass(frozen=True)
@@ -371,6 +372,51 @@ def attention(
     return (out, weights) if return_weights else out
 
 
+def attend_decode(q: np.ndarray, k: np.ndarray, v: np.ndarray, k_scale: np.ndarray | None,
+                  v_scale: np.ndarray | None, *, scale: float, causal_offset: int | None,
+                  window: int | None, softcap: float | None, num_threads: int,
+                  out: np.ndarray) -> bool:
+    """One decoding step's attention over a cache, without :func:`attention`'s general
+    layout work: float32 queries q (B, Hq, L, E) (a strided view of the projection),
+    the cache's keys and values (B, Hkv, S, x) in their storage format (int8 and int4
+    with their scales) and out (B, Hq, L, Ev), a view; no mask, weights or dropout.
+    False (nothing done) when the plan does not serve the query heads of a kv head
+    together, the layout this function lays out; :func:`attention` then takes the call."""
+    kv_fmt = _format(k, k_scale is not None)
+    B, Hq, L, E = q.shape
+    Hkv, S = k.shape[1], k.shape[2]
+    if Hq % Hkv or not (q.flags.aligned and q.strides[-1] == 4):
+        return False
+    gqa = Hq // Hkv
+    Ev = v.shape[-1] * 8 * v.itemsize // kv_fmt.bits  # int4: two values a byte
+    if kv_fmt.bits == 16:
+        k, v = k.view(np.uint16), v.view(np.uint16)
+    kvs: tuple[np.ndarray, ...] = (k, v)
+    if k_scale is not None and v_scale is not None:  # int4: float16 pairs, read as bits
+        kvs += tuple(a.view(np.uint16) if a.dtype == np.float16 else a
+                     for a in (k_scale, v_scale))
+    code = _FORMAT_F32.code
+    call = _kernels.AttentionCall(False, (B * Hq, L, S, E, Ev), (code, kv_fmt.code, code), kvs,
+                                  gqa, 0, False, False, -1, num_threads)
+    if call.group != gqa:
+        return False
+    if S and Ev:
+        grouped = gqa > 1
+        call.set_query(_split_axis(q, 1, gqa) if grouped else q, 3 if grouped else 2)
+        call.set_keys_values(kvs[0], kvs[1], 2, *(kvs[2:] if len(kvs) == 4 else (None, None)))
+        call.set_output(_split_axis(out, 1, gqa) if grouped else out,
+                        3 if grouped else 2)
+        if causal_offset is not None:
+            call.set_causal(int(causal_offset), 0 if window is None else int(window))
+        call.set_scale(float(scale))
+        if softcap is not None:
+            call.set_softcap(float(softcap))
+        call.run(_on_main_thread())
+    else:
+        out[...] = 0
+    return True
+
+
 def _set_features(call: Any, features: ScoreFeatures, lse: np.ndarray | None,
                   compute: np.dtype, heads_batch: tuple[int, ...], group: int, nb: int) -> None:
     """The soft cap, the per-query-head slopes and sinks (laid out as the queries) and
@@ -438,7 +484,31 @@ def linear(x: np.ndarray, w: Any, bias: np.ndarray | None, num_threads: int) -> 
     return out.reshape(lead + (n,))
 
 
-def _weight_parts(w: Any) -> tuple[int, np.ndarray, np.ndarray | None, int]:
+#: (storage code or -1 for x's own dtype, the stored array, int8 scales, int8 group)
+WeightParts = tuple[int, np.ndarray, "np.ndarray | None", int]
+
+
+def weight_parts(w: Any) -> WeightParts:
+    """A weight as the kernels read it (see :func:`project_rows`): worked out once, by a
+    caller that multiplies by the same weight again and again (a decoder's step)."""
+    return _weight_parts(w)
+
+
+def project_rows(x2: np.ndarray, parts: WeightParts, bias: np.ndarray | None,
+                 num_threads: int) -> np.ndarray:
+    """``x2 @ w + bias`` for up to FEW_ROWS float32 rows x2 (m, k) with contiguous rows
+    and a weight's :func:`weight_parts`: :func:`linear`'s few-rows path without its
+    per-call preparation (a decoding step's products, a few microseconds each)."""
+    fmt, data, scales, group = parts
+    out = np.empty((x2.shape[0], data.shape[1]), dtype=np.float32)
+    if x2.shape[1] == 0:
+        out[...] = 0 if bias is None else bias
+        return out
+    _kernels.linear(x2, data, bias, out, num_threads, _on_main_thread(), fmt, scales, group)
+    return out
+
+
+def _weight_parts(w: Any) -> WeightParts:
     """(storage code or -1 for x's own dtype, the stored array, int8 scales, int8 group)."""
     if isinstance(w, np.ndarray):
         name = w.dtype.name

@@ -126,5 +126,8 @@ def rotate_heads(x: npt.NDArray[np.float32], cos: npt.NDArray[np.float32],
                  sin: npt.NDArray[np.float32]) -> None:
     """Rotate float32 x (B, H, T, D) in place (rotate_half layout on 2 * n features)."""
 
+def silu_mul(gu: npt.NDArray[np.float32], out: npt.NDArray[np.float32]) -> None:
+    """out = silu(g) * u for the halves (g, u) of each row of gu (m, 2 F); out (m, F)."""
+
 def read_sum(data: npt.NDArray[np.float32], num_threads: int) -> float:
     """Sum of data, read in contiguous runs on manyheads' threads (a read-rate measure)."""

@@ -792,3 +792,27 @@ def rotate_heads(cnp.ndarray x, const float[:, ::1] cos, const float[:, ::1] sin
                         s = sin[it, i]
                         row[i * sd] = a * c - b * s
                         row[(i + n) * sd] = b * c + a * s
+
+
+def silu_mul(const float[:, ::1] gu, float[:, ::1] out):
+    """out = silu(g) * u row by row, where g and u are the two halves of each row of gu
+    (m, 2 F) and out is (m, F): ``g / (1 + exp(-g)) * u``, exp by the current path's
+    vector exp.  Where exp(-g) would overflow (-g > 88) silu(g) is g * 0 (-0.0, or NaN
+    for g = -inf), as float32 arithmetic gives there."""
+    cdef Py_ssize_t i, j, F = out.shape[1]
+    cdef float g
+    if gu.shape[0] != out.shape[0] or gu.shape[1] != 2 * F:
+        raise ValueError("silu_mul: gu must be (m, 2 F) for out (m, F)")
+    with nogil:
+        for i in range(gu.shape[0]):
+            for j in range(F):
+                g = -gu[i, j]
+                out[i, j] = g if g < 88.0 else 88.0
+            if F:
+                _table.exp_f32(&out[i, 0], &out[i, 0], F)
+            for j in range(F):
+                g = gu[i, j]
+                if -g < 88.0:
+                    out[i, j] = g / (1.0 + out[i, j]) * gu[i, F + j]
+                else:
+                    out[i, j] = g * <float>0.0 * gu[i, F + j]

@@ -352,6 +352,39 @@ class KVCache:
                 f"cache is full: {self._len} tokens + {new_tokens} new > max_len={self.max_len}"
             )
 
+    def _decode_attend(self, q: np.ndarray, k_new: np.ndarray, v_new: np.ndarray, *,
+                       scale: float, softcap: float | None, num_threads: int,
+                       out: np.ndarray) -> bool:
+        """A module's decoding step without padding: append one token's keys and values
+        (B, Hkv, 1, D) and write its queries' (B, Hq, 1, D) attention over everything
+        cached into ``out``, as :meth:`CacheStep.attend` does, with less per-call work
+        (:func:`manyheads._core.attend_decode`).  False, with nothing changed, when the
+        cache holds padding (the general step takes it)."""
+        if self._any_padding or k_new.shape[2] != 1:
+            return False
+        past, cap = self._len, self.capacity
+        if past + 1 > self.max_len:
+            raise ValueError(f"cache is full: {past} tokens + 1 new > max_len={self.max_len}")
+        with _Held(self):
+            if past < cap:  # slot == position; the query sees the window's keys
+                slot, n, offset, window = past, past + 1, past, self.window
+            else:  # a full ring: it holds exactly the window of the new query
+                slot, n, offset, window = past % cap, cap, None, None
+            self._store(slice(None), slice(slot, slot + 1), k_new, v_new)
+            self.padding[:, slot] = False
+            st = self._stored(slice(None), slice(0, n))
+            if not _core.attend_decode(q, st.k, st.v, st.k_scale, st.v_scale, scale=scale,
+                                       causal_offset=offset, window=window, softcap=softcap,
+                                       num_threads=num_threads, out=out):
+                _core.attention(q, st.k, st.v, k_scale=st.k_scale, v_scale=st.v_scale,
+                                causal_offset=offset, window=window, scale=scale,
+                                num_threads=num_threads, out=out,
+                                enable_gqa=q.shape[1] != st.k.shape[1],
+                                features=None if softcap is None
+                                else (softcap, None, None, False))
+            self._len += 1
+        return True
+
     def step(self, new_tokens: int, key_padding_mask: np.ndarray | None = None) -> CacheStep:
         """Hold the cache for one decoding step that appends ``new_tokens`` tokens.
 

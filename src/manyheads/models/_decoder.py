@@ -29,7 +29,7 @@ from ..modules import MultiHeadAttention
 from ..weights import gather_columns, weight_format
 from ._sampling import check_sampling, check_stop, choose, process_logits, token_ids
 
-__all__ = ["DecoderModel", "Block", "rms_norm", "layer_norm", "project", "eos_of"]
+__all__ = ["DecoderModel", "Block", "rms_norm", "layer_norm", "project", "prepared", "eos_of"]
 
 
 def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
@@ -53,6 +53,18 @@ def project(x: np.ndarray, weight: Any, bias: np.ndarray | None = None) -> np.nd
     """``x @ weight + bias`` on manyheads' threads: :func:`manyheads.linear` without its
     argument checks (a model's weights were checked as they loaded)."""
     return _core.linear(x, weight, bias, _config.resolve_num_threads(None))
+
+
+def prepared(owner: Any, name: str) -> _core.WeightParts:
+    """The kernel layout (:func:`manyheads._core.weight_parts`) of weight ``name`` of
+    ``owner``, worked out on first use and again only when the attribute is replaced."""
+    w = getattr(owner, name)
+    memo = owner.__dict__.setdefault("_prepared", {})
+    hit = memo.get(name)
+    if hit is None or hit[0] is not w:
+        hit = memo[name] = (w, _core.weight_parts(w))
+    parts: _core.WeightParts = hit[1]
+    return parts
 
 
 def layer_norm(x: np.ndarray, weight: np.ndarray, bias: np.ndarray, eps: float) -> np.ndarray:
@@ -259,6 +271,12 @@ class DecoderModel:
         pad = self._check_mask(attention_mask, arr.shape, past)
         x = self._embed(arr, self._positions(caches, pad, arr.shape)
                         if self.learned_positions else None)
+        if caches is not None and arr.shape[1] == 1 and pad is None:
+            # a decoding step: the blocks' lean path where they have one
+            for block, cache in zip(self.blocks[:stop_at], caches):
+                decode = getattr(block, "decode", None)
+                x = block(x, cache, None) if decode is None else decode(x, cache)
+            return x, pad
         for i, block in enumerate(self.blocks[:stop_at]):
             x = block(x, None if caches is None else caches[i], pad)
         return x, pad

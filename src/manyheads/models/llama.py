@@ -32,7 +32,11 @@ import numpy as np
 from ..cache import KVCache, CacheStep
 from ..modules import MultiHeadAttention
 from ._checkpoint import TensorSource, config_float, config_int
-from ._decoder import DecoderModel, eos_of, project, rms_norm
+from .. import _kernels
+from .._config import resolve_num_threads
+from .._core import project_rows
+from .._kernels import FEW_ROWS
+from ._decoder import DecoderModel, eos_of, prepared, project, rms_norm
 from ..weights import join_columns
 from ._rope import LAYER_TYPES, Rotary, rope_parameters_of
 from .gpt2 import gelu_erf, gelu_tanh
@@ -79,12 +83,38 @@ class DecoderAttention(MultiHeadAttention):
         self.eps = eps
 
     def _rotate(self, q: np.ndarray, k: np.ndarray, step: CacheStep | None) -> None:
+        self._rotate_from(q, k, 0 if step is None else step.start)
+
+    def _rotate_from(self, q: np.ndarray, k: np.ndarray, start: int) -> None:
         if self.qk_norm is not None:
             q[...] = rms_norm(q, self.qk_norm[0], self.eps)
             k[...] = rms_norm(k, self.qk_norm[1], self.eps)
-        start = 0 if step is None else step.start
         self.rotary.apply(q, start)
         self.rotary.apply(k, start)
+
+    def decode(self, h: np.ndarray, cache: KVCache, num_threads: int) -> np.ndarray | None:
+        """One decoding step of B (<= FEW_ROWS) tokens h (B, d_model), float32, through
+        ``cache`` (no padding in it): the attention block's output (B, d_model), what
+        ``self(h[:, None], cache=cache)`` gives, with the weights' kernel layout worked
+        out once and the cache attended directly.  None, with nothing changed, when this
+        step needs the general path."""
+        B = h.shape[0]
+        self._check_cache_call(cache, None, B, 1)
+        if cache._any_padding or self.sinks is not None or self.alibi_slopes is not None:
+            return None
+        H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
+        qkv = project_rows(h, prepared(self, "W_qkv"), self.b_qkv, num_threads)
+        kv0, kv1 = self.d_out, self.d_out + self.kv_dim
+        q = qkv[:, :kv0].reshape(B, H, 1, D)
+        k = qkv[:, kv0:kv1].reshape(B, Hkv, 1, D)
+        v = qkv[:, kv1:].reshape(B, Hkv, 1, D)
+        self._rotate_from(q, k, len(cache))
+        merged = np.empty((B, H * D), dtype=np.float32)
+        scale = 1.0 / np.sqrt(D) if self.scale is None else self.scale
+        done = cache._decode_attend(q, k, v, scale=scale, softcap=self.softcap,
+                                   num_threads=num_threads, out=merged.reshape(B, H, 1, D))
+        assert done  # (the cache's padding was checked above)
+        return project_rows(merged, prepared(self, "W_out"), self.b_out, num_threads)
 
 
 class LlamaBlock:
@@ -111,12 +141,39 @@ class LlamaBlock:
         a = self.attn(rms_norm(x, self.norm_attn, self.eps), cache=cache, key_padding_mask=pad)
         x += a if self.post_attn is None else rms_norm(a, self.post_attn, self.eps)
         gu = project(rms_norm(x, self.norm_mlp, self.eps), self.w_gate_up, self.b_gate_up)
-        F = self.d_ff
-        gate = self.act(gu[..., :F])
-        gate *= gu[..., F:]
-        m = project(gate, self.w_down, self.b_down)
+        m = project(self._gated(gu), self.w_down, self.b_down)
         x += m if self.post_mlp is None else rms_norm(m, self.post_mlp, self.eps)
         return x
+
+    def _gated(self, gu: np.ndarray) -> np.ndarray:
+        """act(gate) * up of the packed (..., 2 d_ff) projection: one compiled pass for
+        SwiGLU in float32 (a new array either way)."""
+        F = self.d_ff
+        if self.act is silu and gu.dtype == np.float32 and gu.flags.c_contiguous:
+            out = np.empty(gu.shape[:-1] + (F,), np.float32)
+            _kernels.silu_mul(gu.reshape(-1, 2 * F), out.reshape(-1, F))
+            return out
+        gate = self.act(gu[..., :F])
+        gate *= gu[..., F:]
+        return np.ascontiguousarray(gate)
+
+    def decode(self, x: np.ndarray, cache: KVCache) -> np.ndarray:
+        """One decoding step (x (B, 1, d_model), no padding) on the lean path of
+        :meth:`DecoderAttention.decode`, or the general one where that declines."""
+        B = x.shape[0]
+        if B > FEW_ROWS or x.dtype != np.float32:
+            return self(x, cache, None)
+        nt = resolve_num_threads(None)
+        x2 = x.reshape(B, -1)
+        a = self.attn.decode(rms_norm(x2, self.norm_attn, self.eps), cache, nt)
+        if a is None:
+            return self(x, cache, None)
+        x2 += a if self.post_attn is None else rms_norm(a, self.post_attn, self.eps)
+        gu = project_rows(rms_norm(x2, self.norm_mlp, self.eps), prepared(self, "w_gate_up"),
+                          self.b_gate_up, nt)
+        m = project_rows(self._gated(gu), prepared(self, "w_down"), self.b_down, nt)
+        x2 += m if self.post_mlp is None else rms_norm(m, self.post_mlp, self.eps)
+        return x2.reshape(x.shape)
 
     def norms(self) -> list[np.ndarray]:
         return [n for n in (self.norm_attn, self.norm_mlp, self.post_attn, self.post_mlp)
