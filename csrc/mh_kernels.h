@@ -370,6 +370,32 @@ void mh_widened_reset(void *thread_scratch, int64_t head_dim, int64_t v_dim);
 void mh_quantize_i8(const float *x, int64_t rows, int64_t n, int8_t *q, float *scale);
 void mh_quantize_i4(const float *x, int64_t rows, int64_t n, uint8_t *q, uint16_t *pairs);
 
+/* The per-token steps of a decoder (mh_step.c), one implementation for the one-at-a-
+   time calls and the compiled decoding step.  RMSNorm of `rows` rows of n values
+   (sums of squares in double); the rotary rotation of x (B, H, T, D) at element
+   strides (sb, sh, st, sd): features (i, i + n) of each row become (a cos - e sin,
+   e cos + a sin) with its position's cos and sin (T, n), contiguous; SwiGLU's
+   silu(g) * u for the halves (g, u) of each row of gu (rows, 2 F), by the kernel
+   path's exp (silu(g) is g * 0 where exp(-g) would overflow). */
+void mh_rms_norm_rows(const float *x, int64_t rows, int64_t n, int64_t x_row,
+                      const float *w, float eps, float *out, int64_t out_row);
+void mh_rotate_heads(float *x, int64_t B, int64_t H, int64_t T, int64_t sb, int64_t sh,
+                     int64_t st, int64_t sd, int64_t n, const float *cos, const float *sin);
+void mh_silu_mul_rows(const float *gu, int64_t rows, int64_t F, int64_t gu_row, float *out,
+                      int64_t out_row, void (*exp_f32)(const float *x, float *y, int64_t n));
+
+/* A barrier for the n threads of one parallel region that spins instead of sleeping
+   (a compiled decoding step meets at it hundreds of times a token, a few microseconds
+   apart), and after 0.2 ms yields its core at every turn.  Zero-initialise it.
+   Returns 1 when this thread waited more than 1 ms (a sign that a thread of the team
+   had no core), else 0. */
+typedef struct mh_team_barrier_t {
+    volatile long count, gen;
+} mh_team_barrier_t;
+int mh_team_barrier(mh_team_barrier_t *b, int n);
+/* The next item of a shared counter (zero-initialised): 0, 1, 2, ... across threads. */
+int64_t mh_next_item(volatile long *counter);
+
 /* CPU features that decide the kernel path (all zero off x86). */
 typedef struct mh_cpu_features {
     unsigned avx : 1, fma : 1, f16c : 1, avx2 : 1, avx512f : 1;

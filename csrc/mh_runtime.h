@@ -11,11 +11,14 @@ static inline int mh_omp_version(void) { return _OPENMP; }
 /* the address of an OpenMP entry point as this extension bound it (to find
    which runtime library serves it) */
 static inline void *mh_omp_entry_address(void) { return (void *)&omp_get_max_threads; }
+/* threads of the enclosing parallel region (1 outside one) */
+static inline int mh_omp_team_size(void) { return omp_get_num_threads(); }
 #else
 static inline int mh_openmp_enabled(void) { return 0; }
 static inline int mh_omp_max_threads(void) { return 1; }
 static inline int mh_omp_version(void) { return 0; }
 static inline void *mh_omp_entry_address(void) { return 0; }
+static inline int mh_omp_team_size(void) { return 1; }
 #endif
 
 #if defined(_WIN32)

@@ -338,20 +338,27 @@ def test_bad_family_settings_are_named(gemma3_dir, tmp_path, changes, match):
         from_pretrained(tmp_path)
 
 
-def test_the_lean_decode_step_is_the_general_step_bit_for_bit(pair, monkeypatch):
-    """A decoding step without padding takes DecoderAttention.decode (the weights'
-    kernel layout kept, the cache attended directly); it must give the logits of the
-    general module path exactly, in every cache format the model's head size allows
-    (int4 needs a multiple of 32), with the sliding layers' rings wrapping (11 + 10
-    tokens through windows of 8) and two rows at once."""
+def test_the_decode_steps_are_the_general_step_bit_for_bit(pair, monkeypatch):
+    """A decoding step without padding is compiled into one parallel region where the
+    family allows (SwiGLU blocks: all but Gemma's GeGLU) and otherwise takes
+    DecoderAttention.decode (the weights' kernel layout kept, the cache attended
+    directly).  Both must give the logits of the general module path exactly, in every
+    cache format the model's head size allows (int4 needs a multiple of 32; float16
+    caches are not compiled), with the sliding layers' rings wrapping (11 + 10 tokens
+    through windows of 8) and two rows at once."""
     from manyheads.models import llama
 
     family, _, _, model = pair
-    calls = []
-    lean_attention = llama.DecoderAttention.decode
+    used = {"compiled": 0, "lean": 0}
+    compiled_step, lean_attention = llama.Llama._decode_step, llama.DecoderAttention.decode
 
-    def counted(self, *args, **kwargs):
-        calls.append(1)
+    def counted_step(self, caches, rows):
+        step = compiled_step(self, caches, rows)
+        used["compiled"] += step is not None
+        return step
+
+    def counted_lean(self, *args, **kwargs):
+        used["lean"] += 1
         return lean_attention(self, *args, **kwargs)
 
     ids = np.stack([np.arange(11), np.arange(11)[::-1] * 3]) % VOCAB
@@ -367,12 +374,18 @@ def test_the_lean_decode_step_is_the_general_step_bit_for_bit(pair, monkeypatch)
         return out
 
     formats = [None, "float16", "int8"] + (["int4"] if model.head_dim % 32 == 0 else [])
-    monkeypatch.setattr(llama.DecoderAttention, "decode", counted)
+    monkeypatch.setattr(llama.Llama, "_decode_step", counted_step)
+    monkeypatch.setattr(llama.DecoderAttention, "decode", counted_lean)
+    first = [steps(f) for f in formats]
+    compiled = 0 if family.startswith("gemma") else 10 * (len(formats) - 1)  # not float16
+    assert used == {"compiled": compiled,
+                    "lean": (10 * len(formats) - compiled) * model.num_layers}
+    monkeypatch.setattr(llama.Llama, "_decode_step", lambda self, caches, rows: None)
     lean = [steps(f) for f in formats]
-    assert len(calls) == len(formats) * 10 * model.num_layers  # every step, every layer
+    assert used["lean"] == (20 * len(formats) - compiled) * model.num_layers
     monkeypatch.setattr(llama.LlamaBlock, "decode", None)
     general = [steps(f) for f in formats]
-    assert len(calls) == len(formats) * 10 * model.num_layers
-    for fmt, a_steps, b_steps in zip(formats, lean, general):
-        for a, b in zip(a_steps, b_steps):
-            np.testing.assert_array_equal(a, b, err_msg=f"cache {fmt}")
+    for fmt, a_steps, b_steps, c_steps in zip(formats, first, lean, general):
+        for a, b, c in zip(a_steps, b_steps, c_steps):
+            np.testing.assert_array_equal(a, c, err_msg=f"cache {fmt}")
+            np.testing.assert_array_equal(b, c, err_msg=f"cache {fmt}")

@@ -372,21 +372,22 @@ def attention(
     return (out, weights) if return_weights else out
 
 
-def attend_decode(q: np.ndarray, k: np.ndarray, v: np.ndarray, k_scale: np.ndarray | None,
-                  v_scale: np.ndarray | None, *, scale: float, causal_offset: int | None,
-                  window: int | None, softcap: float | None, num_threads: int,
-                  out: np.ndarray) -> bool:
-    """One decoding step's attention over a cache, without :func:`attention`'s general
-    layout work: float32 queries q (B, Hq, L, E) (a strided view of the projection),
-    the cache's keys and values (B, Hkv, S, x) in their storage format (int8 and int4
-    with their scales) and out (B, Hq, L, Ev), a view; no mask, weights or dropout.
-    False (nothing done) when the plan does not serve the query heads of a kv head
-    together, the layout this function lays out; :func:`attention` then takes the call."""
+def decode_call(q: np.ndarray, k: np.ndarray, v: np.ndarray, k_scale: np.ndarray | None,
+                v_scale: np.ndarray | None, *, scale: float, causal_offset: int | None,
+                window: int | None, softcap: float | None, num_threads: int,
+                out: np.ndarray) -> Any:
+    """One decoding step's attention over a cache, planned and with its operands set
+    but not run, without :func:`attention`'s general layout work: float32 queries q
+    (B, Hq, L, E) (a strided view of the projection), the cache's keys and values
+    (B, Hkv, S, x) in their storage format (int8 and int4 with their scales) and out
+    (B, Hq, L, Ev), a view; no mask, weights or dropout.  None when the plan does not
+    serve the query heads of a kv head together (the layout laid out here) or there is
+    nothing to attend; :func:`attention` then takes the call."""
     kv_fmt = _format(k, k_scale is not None)
     B, Hq, L, E = q.shape
     Hkv, S = k.shape[1], k.shape[2]
-    if Hq % Hkv or not (q.flags.aligned and q.strides[-1] == 4):
-        return False
+    if Hq % Hkv or not S or not (q.flags.aligned and q.strides[-1] == 4):
+        return None
     gqa = Hq // Hkv
     Ev = v.shape[-1] * 8 * v.itemsize // kv_fmt.bits  # int4: two values a byte
     if kv_fmt.bits == 16:
@@ -398,22 +399,30 @@ def attend_decode(q: np.ndarray, k: np.ndarray, v: np.ndarray, k_scale: np.ndarr
     code = _FORMAT_F32.code
     call = _kernels.AttentionCall(False, (B * Hq, L, S, E, Ev), (code, kv_fmt.code, code), kvs,
                                   gqa, 0, False, False, -1, num_threads)
-    if call.group != gqa:
+    if call.group != gqa or not Ev:
+        return None
+    grouped = gqa > 1
+    call.set_query(_split_axis(q, 1, gqa) if grouped else q, 3 if grouped else 2)
+    call.set_keys_values(kvs[0], kvs[1], 2, *(kvs[2:] if len(kvs) == 4 else (None, None)))
+    call.set_output(_split_axis(out, 1, gqa) if grouped else out, 3 if grouped else 2)
+    if causal_offset is not None:
+        call.set_causal(int(causal_offset), 0 if window is None else int(window))
+    call.set_scale(float(scale))
+    if softcap is not None:
+        call.set_softcap(float(softcap))
+    return call
+
+
+def attend_decode(q: np.ndarray, k: np.ndarray, v: np.ndarray, k_scale: np.ndarray | None,
+                  v_scale: np.ndarray | None, *, scale: float, causal_offset: int | None,
+                  window: int | None, softcap: float | None, num_threads: int,
+                  out: np.ndarray) -> bool:
+    """:func:`decode_call`, run; False (nothing done) where that gives None."""
+    call = decode_call(q, k, v, k_scale, v_scale, scale=scale, causal_offset=causal_offset,
+                       window=window, softcap=softcap, num_threads=num_threads, out=out)
+    if call is None:
         return False
-    if S and Ev:
-        grouped = gqa > 1
-        call.set_query(_split_axis(q, 1, gqa) if grouped else q, 3 if grouped else 2)
-        call.set_keys_values(kvs[0], kvs[1], 2, *(kvs[2:] if len(kvs) == 4 else (None, None)))
-        call.set_output(_split_axis(out, 1, gqa) if grouped else out,
-                        3 if grouped else 2)
-        if causal_offset is not None:
-            call.set_causal(int(causal_offset), 0 if window is None else int(window))
-        call.set_scale(float(scale))
-        if softcap is not None:
-            call.set_softcap(float(softcap))
-        call.run(_on_main_thread())
-    else:
-        out[...] = 0
+    call.run(_on_main_thread())
     return True
 
 

@@ -163,6 +163,17 @@ cdef extern from "mh_kernels.h" nogil:
     const mh_kernel_table *mh_kernels(int isa)
     void mh_quantize_i8(const float *x, int64_t rows, int64_t n, int8_t *q, float *scale)
     void mh_quantize_i4(const float *x, int64_t rows, int64_t n, uint8_t *q, uint16_t *pairs)
+    void mh_rms_norm_rows(const float *x, int64_t rows, int64_t n, int64_t x_row,
+                          const float *w, float eps, float *out, int64_t out_row)
+    void mh_rotate_heads(float *x, int64_t B, int64_t H, int64_t T, int64_t sb, int64_t sh,
+                         int64_t st, int64_t sd, int64_t n, const float *cos, const float *sin)
+    void mh_silu_mul_rows(const float *gu, int64_t rows, int64_t F, int64_t gu_row, float *out,
+                          int64_t out_row,
+                          void (*exp_f32)(const float *x, float *y, int64_t n) noexcept nogil)
+    ctypedef struct mh_team_barrier_t:
+        long count, gen
+    int mh_team_barrier(mh_team_barrier_t *b, int n)
+    int64_t mh_next_item(long *counter)
 
 
 cdef extern from "mh_runtime.h" nogil:
@@ -170,6 +181,7 @@ cdef extern from "mh_runtime.h" nogil:
     int mh_omp_max_threads()
     int mh_omp_version()
     void *mh_omp_entry_address()
+    int mh_omp_team_size()
     double mh_seconds()
     int mh_flag_get(const int *flag)
     void mh_flag_set(int *flag)

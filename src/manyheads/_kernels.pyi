@@ -129,5 +129,18 @@ def rotate_heads(x: npt.NDArray[np.float32], cos: npt.NDArray[np.float32],
 def silu_mul(gu: npt.NDArray[np.float32], out: npt.NDArray[np.float32]) -> None:
     """out = silu(g) * u for the halves (g, u) of each row of gu (m, 2 F); out (m, F)."""
 
+def contended() -> bool:
+    """Whether threads were found without a core less than CONTENDED_SECONDS ago."""
+
+class DecodeProgram:
+    """One decoding step of a Llama-shaped decoder, compiled into phases of one region."""
+    def __init__(self, n_layers: int, num_threads: int) -> None: ...
+    def set_layer(self, i: int, dims: tuple[int, ...], eps: float, buffers: tuple[Any, ...],
+                  norms: tuple[Any, ...], products: tuple[Any, ...],
+                  cache: tuple[Any, ...]) -> None:
+        """Layer i's sizes, buffers, norms, products and cache."""
+    def run(self, calls: list[Any], angles: list[Any], slots: list[int]) -> int:
+        """One token through every layer; how often the first thread waited over 1 ms."""
+
 def read_sum(data: npt.NDArray[np.float32], num_threads: int) -> float:
     """Sum of data, read in contiguous runs on manyheads' threads (a read-rate measure)."""

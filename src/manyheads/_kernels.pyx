@@ -13,8 +13,8 @@ checked everything before it builds a call.  The C declarations are in
 """
 from cython.parallel cimport parallel, prange, threadid
 from libc.stdint cimport int8_t, int64_t, uint8_t, uint16_t, uint64_t, uintptr_t
-from libc.math cimport sqrtf
-from libc.stdlib cimport free, malloc
+from libc.stdlib cimport calloc, free, malloc
+from libc.string cimport memset
 
 cimport numpy as cnp
 import numpy as np
@@ -282,6 +282,12 @@ cpdef int threads_for_call(int requested, int active_calls) noexcept:
 cdef inline int _share(int requested):
     """This call's share of a budget of ``requested`` threads, given the calls in flight."""
     return threads_for_call(requested, _active_calls + 1)
+
+
+def contended():
+    """Whether threads were found without a core less than CONTENDED_SECONDS ago (a
+    compiled decoding step then gives way to the calls that plan for it)."""
+    return _contended()
 
 
 cdef inline bint _contended():
@@ -696,20 +702,12 @@ cdef class AttentionCall:
         self._keep.append(weights)
         self.a.weights = _data(weights)
 
-    def run(self, bint check_signals=False):
-        """Run the plan's work items on its threads, GIL released.
-
-        With ``check_signals`` (the main thread's calls) a pending Ctrl-C stops the
-        work within about SIGNAL_CHECK_SECONDS plus one work item and raises.
-        """
+    cdef int _prepare(self, Job *job) except -1:
+        """Fill ``job`` for this call's items (the split partial sums allocated and
+        kept with the call); the caller provides the scratch."""
         cdef const mh_plan *p = &self.plan
         cdef size_t elem = 8 if self.is_f64 else 4
-        cdef int t
-        cdef void *raw
-        cdef Job job
         cdef size_t rows
-        if p.n_items == 0:
-            return
         job.attn = &self.a
         job.n_blocks = p.n_blocks
         job.n_split = p.n_split
@@ -724,6 +722,21 @@ cdef class AttentionCall:
             self.a.split.acc = _data(parts)
             self.a.split.row_max = <char *>_data(parts) + elem * rows * self.a.v_dim
             self.a.split.row_sum = <char *>self.a.split.row_max + elem * rows
+        return 0
+
+    def run(self, bint check_signals=False):
+        """Run the plan's work items on its threads, GIL released.
+
+        With ``check_signals`` (the main thread's calls) a pending Ctrl-C stops the
+        work within about SIGNAL_CHECK_SECONDS plus one work item and raises.
+        """
+        cdef const mh_plan *p = &self.plan
+        cdef int t
+        cdef void *raw
+        cdef Job job
+        if p.n_items == 0:
+            return
+        self._prepare(&job)
         raw = malloc(job.stride * p.threads + MH_SCRATCH_ALIGN)
         if raw == NULL:
             raise MemoryError("cannot allocate the kernels' scratch")
@@ -747,19 +760,13 @@ cdef class AttentionCall:
 def rms_norm_rows(const float[:, ::1] x, const float[::1] weight, float eps,
                   float[:, ::1] out):
     """out[i] = x[i] / sqrt(mean(x[i]**2) + eps) * weight, row by row (sums in double)."""
-    cdef Py_ssize_t i, j, n = x.shape[1]
-    cdef double ss
-    cdef float inv
-    if weight.shape[0] != n or out.shape[0] != x.shape[0] or out.shape[1] != n:
+    if weight.shape[0] != x.shape[1] or out.shape[0] != x.shape[0] or \
+            out.shape[1] != x.shape[1]:
         raise ValueError("rms_norm_rows: shapes differ")
-    with nogil:
-        for i in range(x.shape[0]):
-            ss = 0
-            for j in range(n):
-                ss += <double>x[i, j] * x[i, j]
-            inv = 1.0 / sqrtf(<float>(ss / n) + eps)
-            for j in range(n):
-                out[i, j] = (x[i, j] * inv) * weight[j]
+    if x.shape[0] and x.shape[1]:
+        with nogil:
+            mh_rms_norm_rows(&x[0, 0], x.shape[0], x.shape[1], x.shape[1], &weight[0], eps,
+                             &out[0, 0], out.shape[1])
 
 
 def rotate_heads(cnp.ndarray x, const float[:, ::1] cos, const float[:, ::1] sin):
@@ -768,9 +775,6 @@ def rotate_heads(cnp.ndarray x, const float[:, ::1] cos, const float[:, ::1] sin
     row's position's cos and sin (T, n); the rest are left as they are."""
     cdef Py_ssize_t B, H, T, n = cos.shape[1], sb, sh, st, sd
     cdef float *p
-    cdef float *row
-    cdef float a, b, c, s
-    cdef Py_ssize_t ib, ih, it, i
     if (x.ndim != 4 or x.dtype != np.float32 or cos.shape[0] != x.shape[2]
             or sin.shape[0] != x.shape[2] or sin.shape[1] != n or 2 * n > x.shape[3]
             or not x.flags.writeable
@@ -780,18 +784,9 @@ def rotate_heads(cnp.ndarray x, const float[:, ::1] cos, const float[:, ::1] sin
     B, H, T = x.shape[0], x.shape[1], x.shape[2]
     sb, sh, st, sd = x.strides[0] // 4, x.strides[1] // 4, x.strides[2] // 4, x.strides[3] // 4
     p = <float *>cnp.PyArray_DATA(x)
-    with nogil:
-        for ib in range(B):
-            for ih in range(H):
-                for it in range(T):
-                    row = p + ib * sb + ih * sh + it * st
-                    for i in range(n):
-                        a = row[i * sd]
-                        b = row[(i + n) * sd]
-                        c = cos[it, i]
-                        s = sin[it, i]
-                        row[i * sd] = a * c - b * s
-                        row[(i + n) * sd] = b * c + a * s
+    if n and x.size:
+        with nogil:
+            mh_rotate_heads(p, B, H, T, sb, sh, st, sd, n, &cos[0, 0], &sin[0, 0])
 
 
 def silu_mul(const float[:, ::1] gu, float[:, ::1] out):
@@ -799,20 +794,341 @@ def silu_mul(const float[:, ::1] gu, float[:, ::1] out):
     (m, 2 F) and out is (m, F): ``g / (1 + exp(-g)) * u``, exp by the current path's
     vector exp.  Where exp(-g) would overflow (-g > 88) silu(g) is g * 0 (-0.0, or NaN
     for g = -inf), as float32 arithmetic gives there."""
-    cdef Py_ssize_t i, j, F = out.shape[1]
-    cdef float g
-    if gu.shape[0] != out.shape[0] or gu.shape[1] != 2 * F:
+    if gu.shape[0] != out.shape[0] or gu.shape[1] != 2 * out.shape[1]:
         raise ValueError("silu_mul: gu must be (m, 2 F) for out (m, F)")
-    with nogil:
-        for i in range(gu.shape[0]):
-            for j in range(F):
-                g = -gu[i, j]
-                out[i, j] = g if g < 88.0 else 88.0
-            if F:
-                _table.exp_f32(&out[i, 0], &out[i, 0], F)
-            for j in range(F):
-                g = gu[i, j]
-                if -g < 88.0:
-                    out[i, j] = g / (1.0 + out[i, j]) * gu[i, F + j]
-                else:
-                    out[i, j] = g * <float>0.0 * gu[i, F + j]
+    if gu.shape[0] and out.shape[1]:
+        with nogil:
+            mh_silu_mul_rows(&gu[0, 0], gu.shape[0], out.shape[1], gu.shape[1], &out[0, 0],
+                             out.shape[1], _table.exp_f32)
+
+
+# ---- a compiled decoding step: every layer of one token in one parallel region ----------
+
+cdef struct LayerStep:
+    int64_t B, d, H, Hkv, D, F, n_qkv, rot_n
+    float eps
+    float *x     # the residual stream (B, d)
+    float *h     # its norm (B, d)
+    float *qkv   # (B, n_qkv): queries, keys, values
+    float *att   # attention output, heads merged (B, H * D)
+    float *o     # (B, d)
+    float *gu    # (B, 2 F)
+    float *act   # (B, F)
+    float *dn    # (B, d)
+    float *tmp   # (B, d): a post-norm's result
+    const float *norm_attn
+    const float *norm_mlp
+    const float *post_attn
+    const float *post_mlp
+    const float *q_norm
+    const float *k_norm
+    mh_linear_args lin[4]  # qkv, out, gate-up, down
+    int64_t chunks[4]
+    int64_t items[4]
+    const float *cos     # this token's rotary angles (rot_n,)
+    const float *sin
+    int kv_fmt
+    char *kc
+    char *vc
+    char *ksc
+    char *vsc
+    int64_t kv_s[3]      # byte strides (batch, head, slot) of keys and values
+    int64_t sc_s[3]      # ... and of their scales
+    int64_t slot
+    void (*exp_f32)(const float *x, float *y, int64_t n) noexcept nogil
+
+
+cdef struct Phase:
+    void (*serial)(LayerStep *s) noexcept nogil  # NULL: items
+    LayerStep *step
+    const Job *job
+    item_fn item
+    int64_t n_items
+
+
+cdef inline void _merge_product(LayerStep *s, int i) noexcept nogil:
+    if s.chunks[i] > 1:
+        mh_linear_merge_f32(&s.lin[i], s.chunks[i])
+
+
+cdef inline void _add_residual(LayerStep *s, const float *y, const float *post) noexcept nogil:
+    cdef int64_t j, n = s.B * s.d
+    if post != NULL:
+        mh_rms_norm_rows(y, s.B, s.d, s.d, post, s.eps, s.tmp, s.d)
+        y = s.tmp
+    for j in range(n):
+        s.x[j] += y[j]
+
+
+cdef void _st_norm_attn(LayerStep *s) noexcept nogil:
+    mh_rms_norm_rows(s.x, s.B, s.d, s.d, s.norm_attn, s.eps, s.h, s.d)
+
+
+cdef void _st_store(LayerStep *s, const float *src, char *data, char *scales, int64_t b,
+                    int64_t hd) noexcept nogil:
+    cdef char *at = data + b * s.kv_s[0] + hd * s.kv_s[1] + s.slot * s.kv_s[2]
+    cdef char *sat = scales + b * s.sc_s[0] + hd * s.sc_s[1] + s.slot * s.sc_s[2] \
+        if scales != NULL else NULL
+    cdef int64_t j
+    if s.kv_fmt == MH_STORE_I8:
+        mh_quantize_i8(src, 1, s.D, <int8_t *>at, <float *>sat)
+    elif s.kv_fmt == MH_STORE_I4:
+        mh_quantize_i4(src, 1, s.D, <uint8_t *>at, <uint16_t *>sat)
+    else:
+        for j in range(s.D):
+            (<float *>at)[j] = src[j]
+
+
+cdef void _st_qkv(LayerStep *s) noexcept nogil:
+    """The projection's chunks merged, the heads' norms, the rotation, and the token's
+    keys and values stored in the cache's slot."""
+    cdef int64_t b, hd
+    cdef float *row
+    cdef float *kp
+    cdef float *vp
+    _merge_product(s, 0)
+    for b in range(s.B):
+        row = s.qkv + b * s.n_qkv
+        kp = row + s.H * s.D
+        vp = kp + s.Hkv * s.D
+        if s.q_norm != NULL:
+            mh_rms_norm_rows(row, s.H, s.D, s.D, s.q_norm, s.eps, row, s.D)
+            mh_rms_norm_rows(kp, s.Hkv, s.D, s.D, s.k_norm, s.eps, kp, s.D)
+        if s.rot_n:
+            mh_rotate_heads(row, 1, s.H, 1, 0, s.D, 0, 1, s.rot_n, s.cos, s.sin)
+            mh_rotate_heads(kp, 1, s.Hkv, 1, 0, s.D, 0, 1, s.rot_n, s.cos, s.sin)
+        for hd in range(s.Hkv):
+            _st_store(s, kp + hd * s.D, s.kc, s.ksc, b, hd)
+            _st_store(s, vp + hd * s.D, s.vc, s.vsc, b, hd)
+
+
+cdef void _st_out(LayerStep *s) noexcept nogil:
+    _merge_product(s, 1)
+    _add_residual(s, s.o, s.post_attn)
+    mh_rms_norm_rows(s.x, s.B, s.d, s.d, s.norm_mlp, s.eps, s.h, s.d)
+
+
+cdef void _st_gate(LayerStep *s) noexcept nogil:
+    _merge_product(s, 2)
+    mh_silu_mul_rows(s.gu, s.B, s.F, 2 * s.F, s.act, s.F, s.exp_f32)
+
+
+cdef void _st_down(LayerStep *s) noexcept nogil:
+    _merge_product(s, 3)
+    _add_residual(s, s.dn, s.post_mlp)
+
+
+cdef long _run_phases(const Phase *ph, int n_phases, int nt, char *scratch, size_t stride,
+                      long *counters) noexcept nogil:
+    """The phases in order on one team of nt threads: a serial phase on thread 0, an
+    item phase's items shared out one at a time; the team meets at a spinning barrier
+    after each phase (a token's step has hundreds, microseconds apart).  Returns how
+    often thread 0 waited more than a millisecond at a barrier (the others' waits are
+    not counted: they wait for thread 0's serial phases by design)."""
+    cdef mh_team_barrier_t bar
+    cdef int i, tid, team
+    cdef int64_t it
+    cdef long y
+    cdef long yields = 0
+    cdef long *yields_ptr = &yields
+    bar.count = 0
+    bar.gen = 0
+    with parallel(num_threads=nt):
+        tid = threadid()
+        team = mh_omp_team_size()
+        for i in range(n_phases):
+            if ph[i].serial != NULL:
+                if tid == 0:
+                    ph[i].serial(ph[i].step)
+            else:
+                it = mh_next_item(&counters[i])
+                while it < ph[i].n_items:
+                    ph[i].item(ph[i].job, it, scratch + tid * stride)
+                    it = mh_next_item(&counters[i])
+            y = mh_team_barrier(&bar, team)
+            if tid == 0:
+                yields_ptr[0] += y
+    return yields
+
+
+cdef float *_f32(arr):
+    return NULL if arr is None else <float *>_data(arr)
+
+
+cdef class DecodeProgram:
+    """One decoding step of a Llama-shaped decoder compiled into phases that one
+    parallel region runs: for each layer the norms, products, rotation, cache store,
+    attention and residual adds of DecoderAttention.decode and LlamaBlock.decode, with
+    the same kernels and plans, so the same bits.  Built once per (model, caches, rows)
+    with :meth:`set_layer`; :meth:`run` takes each token's attention calls and
+    rotary angles.  Arrays handed in are kept referenced."""
+    cdef LayerStep *layers
+    cdef Job *jobs        # per layer: 4 products, attention items, attention merge
+    cdef Phase *phases
+    cdef long *counters
+    cdef int n_layers, max_phases, nt
+    cdef list _keep
+
+    def __cinit__(self, int n_layers, int num_threads):
+        self.n_layers = n_layers
+        self.nt = num_threads if num_threads > 1 else 1
+        self.max_phases = 11 * n_layers
+        self._keep = []
+        self.layers = <LayerStep *>calloc(n_layers, sizeof(LayerStep))
+        self.jobs = <Job *>calloc(6 * n_layers, sizeof(Job))
+        self.phases = <Phase *>calloc(self.max_phases, sizeof(Phase))
+        self.counters = <long *>calloc(self.max_phases, sizeof(long))
+        if not (self.layers and self.jobs and self.phases and self.counters):
+            raise MemoryError("cannot allocate the decoding step")
+
+    def __dealloc__(self):
+        free(self.layers)
+        free(self.jobs)
+        free(self.phases)
+        free(self.counters)
+
+    def set_layer(self, int i, tuple dims, float eps, tuple buffers, tuple norms, tuple products,
+                  tuple cache):
+        """Layer i: dims (B, d, H, Hkv, D, F); buffers x, h, qkv, att, o, gu, act, dn, tmp
+        (float32, C-contiguous); norms (attn, mlp, post_attn, post_mlp, q, k), None where
+        absent; products: four (w storage code or -1, data, scales, group, bias) for
+        qkv, out, gate-up and down; cache: (storage code, keys, values, key scales, value
+        scales) arrays as stored, (B, Hkv, slots, x)."""
+        cdef LayerStep *s = &self.layers[i]
+        cdef mh_linear_args *a
+        cdef LinearPlan p
+        cdef cnp.ndarray data, xa, oa, kc, vc, ksc
+        cdef int j
+        self._keep.append((buffers, norms, products, cache))
+        s.B = dims[0]
+        s.d = dims[1]
+        s.H = dims[2]
+        s.Hkv = dims[3]
+        s.D = dims[4]
+        s.F = dims[5]
+        s.n_qkv = (s.H + 2 * s.Hkv) * s.D
+        s.eps = eps
+        s.x = _f32(buffers[0])
+        s.h = _f32(buffers[1])
+        s.qkv = _f32(buffers[2])
+        s.att = _f32(buffers[3])
+        s.o = _f32(buffers[4])
+        s.gu = _f32(buffers[5])
+        s.act = _f32(buffers[6])
+        s.dn = _f32(buffers[7])
+        s.tmp = _f32(buffers[8])
+        s.norm_attn = _f32(norms[0])
+        s.norm_mlp = _f32(norms[1])
+        s.post_attn = _f32(norms[2])
+        s.post_mlp = _f32(norms[3])
+        s.q_norm = _f32(norms[4])
+        s.k_norm = _f32(norms[5])
+        ins = (buffers[1], buffers[3], buffers[1], buffers[6])
+        outs = (buffers[2], buffers[4], buffers[5], buffers[7])
+        for j in range(4):
+            fmt, data, scales, group, bias = products[j]
+            xa, oa = ins[j], outs[j]
+            a = &s.lin[j]
+            memset(a, 0, sizeof(mh_linear_args))
+            a.m, a.k, a.n = xa.shape[0], xa.shape[1], data.shape[1]
+            a.x = _data(xa)
+            a.x_row = a.k
+            a.w = _data(data)
+            a.w_row = data.strides[0] // data.itemsize
+            a.w_fmt = fmt if fmt >= 0 else MH_STORE_F32
+            a.w_scales = <const float *>_data(scales) if scales is not None else NULL
+            a.group = group if group > 0 else a.k
+            a.bias = _data(bias) if bias is not None else NULL
+            a.out = _data(oa)
+            a.out_row = a.n
+            p = _plan_linear(a.m, a.k, a.n, self.nt, 4,
+                             a.w_fmt == MH_STORE_I8 and a.group < a.k, False)
+            a.tile_m, a.tile_n, a.k_chunk = p.tile_m, p.tile_n, p.k_chunk
+            s.chunks[j] = p.chunks
+            s.items[j] = p.n_items
+            if p.chunks > 1:
+                part = np.empty(p.chunks * a.m * a.n, np.float32)
+                self._keep.append(part)
+                a.partial = _data(part)
+            self.jobs[6 * i + j].lin = a
+            self.jobs[6 * i + j].rows = _table.linear_rows_f32
+        s.kv_fmt, kc, vc, ksc, vsc = cache
+        s.kc, s.vc = <char *>_data(kc), <char *>_data(vc)
+        s.ksc = <char *>_data(ksc) if ksc is not None else NULL
+        s.vsc = <char *>_data(vsc) if vsc is not None else NULL
+        for j in range(3):
+            s.kv_s[j] = kc.strides[j]
+            s.sc_s[j] = ksc.strides[j] if ksc is not None else 0
+        s.exp_f32 = _table.exp_f32
+
+    def run(self, list calls, list angles, list slots):
+        """One token through every layer: ``calls[i]`` layer i's prepared AttentionCall
+        (operands set, queries in its qkv buffer, keys over the cache including this
+        token's slot ``slots[i]``), ``angles[i]`` its rotary (cos, sin), each (1, n).
+        Returns how often the first thread waited more than a millisecond for the
+        others; more than twice, and the calls of the next CONTENDED_SECONDS plan as
+        contended (:func:`contended`)."""
+        global _contended_until
+        cdef int i, n = 0
+        cdef long yields
+        cdef LayerStep *s
+        cdef AttentionCall call
+        cdef Job *job
+        cdef size_t stride = 0
+        cdef void *raw
+        for i in range(self.n_layers):
+            call = calls[i]
+            if call.plan.widened_rows:
+                raise ValueError("a decoding step's attention widens no rows")
+            stride = max(stride, call.plan.scratch_stride)
+        for i in range(self.n_layers):
+            s = &self.layers[i]
+            cos, sin = angles[i]
+            s.rot_n = cos.shape[1]
+            s.cos = _f32(cos)
+            s.sin = _f32(sin)
+            s.slot = slots[i]
+            call = calls[i]
+            job = &self.jobs[6 * i + 4]
+            call._prepare(job)
+            n = self._serial(n, _st_norm_attn, s)
+            n = self._items(n, &self.jobs[6 * i], _rows_item, s.items[0])
+            n = self._serial(n, _st_qkv, s)
+            if call.plan.n_split:
+                n = self._items(n, job, _split_item, call.plan.n_items)
+                n = self._items(n, job, _merge_item, call.plan.n_pairs)
+            else:
+                n = self._items(n, job, _block_item, call.plan.n_items)
+            n = self._items(n, &self.jobs[6 * i + 1], _rows_item, s.items[1])
+            n = self._serial(n, _st_out, s)
+            n = self._items(n, &self.jobs[6 * i + 2], _rows_item, s.items[2])
+            n = self._serial(n, _st_gate, s)
+            n = self._items(n, &self.jobs[6 * i + 3], _rows_item, s.items[3])
+            n = self._serial(n, _st_down, s)
+        memset(self.counters, 0, n * sizeof(long))
+        raw = malloc(stride * self.nt + MH_SCRATCH_ALIGN)
+        if raw == NULL:
+            raise MemoryError("cannot allocate the kernels' scratch")
+        try:
+            with nogil:
+                yields = _run_phases(self.phases, n, self.nt, <char *>mh_scratch_align(raw),
+                                     stride, self.counters)
+        finally:
+            free(raw)
+        if yields > 2:
+            # thread 0 waited milliseconds for threads without a core: the next calls
+            # plan as contended (see _run_items)
+            _contended_until = mh_seconds() + _contended_seconds
+        return yields
+
+    cdef int _serial(self, int n, void (*fn)(LayerStep *s) noexcept nogil, LayerStep *s):
+        self.phases[n].serial = fn
+        self.phases[n].step = s
+        return n + 1
+
+    cdef int _items(self, int n, const Job *job, item_fn item, int64_t n_items):
+        self.phases[n].serial = NULL
+        self.phases[n].job = job
+        self.phases[n].item = item
+        self.phases[n].n_items = n_items
+        return n + 1

@@ -362,14 +362,11 @@ class KVCache:
         cache holds padding (the general step takes it)."""
         if self._any_padding or k_new.shape[2] != 1:
             return False
-        past, cap = self._len, self.capacity
-        if past + 1 > self.max_len:
-            raise ValueError(f"cache is full: {past} tokens + 1 new > max_len={self.max_len}")
+        if self._len + 1 > self.max_len:
+            raise ValueError(f"cache is full: {self._len} tokens + 1 new > "
+                             f"max_len={self.max_len}")
         with _Held(self):
-            if past < cap:  # slot == position; the query sees the window's keys
-                slot, n, offset, window = past, past + 1, past, self.window
-            else:  # a full ring: it holds exactly the window of the new query
-                slot, n, offset, window = past % cap, cap, None, None
+            slot, n, offset, window = self._decode_slot()
             self._store(slice(None), slice(slot, slot + 1), k_new, v_new)
             self.padding[:, slot] = False
             st = self._stored(slice(None), slice(0, n))
@@ -384,6 +381,15 @@ class KVCache:
                                 else (softcap, None, None, False))
             self._len += 1
         return True
+
+    def _decode_slot(self) -> tuple[int, int, int | None, int | None]:
+        """Where one more token goes and what it attends: (its slot, the slots attended
+        from the first, the causal offset, the window), as :meth:`CacheStep.attend`
+        lays out a step of one token."""
+        past, cap = self._len, self.capacity
+        if past < cap:  # slot == position; the query sees the window's keys
+            return past, past + 1, past, self.window
+        return past % cap, cap, None, None  # a full ring: exactly the query's window
 
     def step(self, new_tokens: int, key_padding_mask: np.ndarray | None = None) -> CacheStep:
         """Hold the cache for one decoding step that appends ``new_tokens`` tokens.

@@ -34,11 +34,14 @@ __all__ = ["DecoderModel", "Block", "rms_norm", "layer_norm", "project", "prepar
 
 def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
     """``weight * x / sqrt(mean(x**2) + eps)`` over the last axis (one new array)."""
-    if x.dtype == np.float32 and weight.dtype == np.float32 and x.flags.c_contiguous \
-            and weight.flags.c_contiguous and x.ndim >= 1 and x.size:
+    if x.dtype == np.float32 and weight.dtype == np.float32 and x.ndim >= 1 and x.size:
+        # (a strided view, such as the heads of a packed projection, is copied first:
+        # every float32 norm is the compiled one, whatever the layout)
+        x = np.ascontiguousarray(x)
         out = np.empty_like(x)
         d = x.shape[-1]
-        _kernels.rms_norm_rows(x.reshape(-1, d), weight, float(eps), out.reshape(-1, d))
+        _kernels.rms_norm_rows(x.reshape(-1, d), np.ascontiguousarray(weight), float(eps),
+                               out.reshape(-1, d))
         return out
     y: np.ndarray = np.square(x)
     ms = y.mean(axis=-1, keepdims=True)
@@ -157,6 +160,10 @@ class DecoderModel:
         """Architecture-specific part of the repr (norm, MLP, positions)."""
         return ""
 
+    def _decode_step(self, caches: list[KVCache], rows: int) -> Any:
+        """A compiled decoding step for these caches (see ``_step``), or None."""
+        return None
+
     # -- shared -------------------------------------------------------------------------
     def __repr__(self) -> str:
         n_params = sum(int(np.prod(p.shape)) for p in self.parameters())
@@ -272,7 +279,11 @@ class DecoderModel:
         x = self._embed(arr, self._positions(caches, pad, arr.shape)
                         if self.learned_positions else None)
         if caches is not None and arr.shape[1] == 1 and pad is None:
-            # a decoding step: the blocks' lean path where they have one
+            # a decoding step: compiled where the family can, else the blocks' lean path
+            step = self._decode_step(caches, arr.shape[0]) if stop_at is None else None
+            y = None if step is None else step(x)
+            if y is not None:
+                return y, pad
             for block, cache in zip(self.blocks[:stop_at], caches):
                 decode = getattr(block, "decode", None)
                 x = block(x, cache, None) if decode is None else decode(x, cache)

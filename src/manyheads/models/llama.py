@@ -39,6 +39,7 @@ from .._kernels import FEW_ROWS
 from ._decoder import DecoderModel, eos_of, prepared, project, rms_norm
 from ..weights import join_columns
 from ._rope import LAYER_TYPES, Rotary, rope_parameters_of
+from ._step import CompiledStep
 from .gpt2 import gelu_erf, gelu_tanh
 
 __all__ = ["Llama", "LlamaBlock", "DecoderAttention", "silu"]
@@ -405,6 +406,17 @@ class Llama(DecoderModel):
         if caps:
             parts.append(f"soft caps: {', '.join(caps)}")
         return ", ".join(parts)
+
+    def _decode_step(self, caches: list[KVCache], rows: int) -> CompiledStep | None:
+        if _kernels.contended():  # a thread lacked a core: the spinning step would wait
+            return None
+        step: CompiledStep | None = self.__dict__.get("_step")
+        if step is not None and step.matches(self.blocks, caches, rows):
+            return step
+        if not CompiledStep.serves(self.blocks, caches, rows, silu):
+            return None
+        step = self._step = CompiledStep(self.blocks, caches, rows, resolve_num_threads(None))
+        return step
 
     def parameters(self) -> list[np.ndarray]:
         ps = [self.head, self.norm] + ([] if self.embed is None else [self.embed])

@@ -1,0 +1,132 @@
+/*
+ * The small per-token steps of a decoder, in plain C (compiled without ISA flags, so
+ * every build computes the same bits): RMSNorm, the rotary rotation, SwiGLU's
+ * act(gate) * up, and the team barrier of a compiled decoding step.  The Cython
+ * layer calls these both one at a time (rms_norm_rows, rotate_heads, silu_mul) and
+ * from inside one parallel region for a whole step (DecodeProgram), so the two give
+ * the same results.
+ */
+#define _POSIX_C_SOURCE 200112L /* sched_yield under -std=c99 */
+#include "mh_kernels.h"
+#include "mh_runtime.h"
+
+#include <math.h>
+
+#if defined(_WIN32)
+#include <windows.h>
+#define MH_YIELD() SwitchToThread()
+#else
+#include <sched.h>
+#define MH_YIELD() sched_yield()
+#endif
+
+#if defined(__x86_64__) || defined(_M_X64) || defined(__i386__) || defined(_M_IX86)
+#include <immintrin.h>
+#define MH_PAUSE() _mm_pause()
+#else
+#define MH_PAUSE() ((void)0)
+#endif
+
+void mh_rms_norm_rows(const float *x, int64_t rows, int64_t n, int64_t x_row,
+                      const float *w, float eps, float *out, int64_t out_row)
+{
+    for (int64_t i = 0; i < rows; ++i) {
+        const float *xi = x + i * x_row;
+        float *oi = out + i * out_row;
+        double ss = 0;
+        for (int64_t j = 0; j < n; ++j) ss += (double)xi[j] * xi[j];
+        const float inv = 1.0f / sqrtf((float)(ss / (double)n) + eps);
+        for (int64_t j = 0; j < n; ++j) oi[j] = (xi[j] * inv) * w[j];
+    }
+}
+
+void mh_rotate_heads(float *x, int64_t B, int64_t H, int64_t T, int64_t sb, int64_t sh,
+                     int64_t st, int64_t sd, int64_t n, const float *cos, const float *sin)
+{
+    for (int64_t b = 0; b < B; ++b)
+        for (int64_t h = 0; h < H; ++h)
+            for (int64_t t = 0; t < T; ++t) {
+                float *row = x + b * sb + h * sh + t * st;
+                const float *c = cos + t * n, *s = sin + t * n;
+                for (int64_t i = 0; i < n; ++i) {
+                    const float a = row[i * sd], e = row[(i + n) * sd];
+                    row[i * sd] = a * c[i] - e * s[i];
+                    row[(i + n) * sd] = e * c[i] + a * s[i];
+                }
+            }
+}
+
+void mh_silu_mul_rows(const float *gu, int64_t rows, int64_t F, int64_t gu_row, float *out,
+                      int64_t out_row, void (*exp_f32)(const float *x, float *y, int64_t n))
+{
+    for (int64_t i = 0; i < rows; ++i) {
+        const float *g = gu + i * gu_row, *u = g + F;
+        float *o = out + i * out_row;
+        /* exp(-g), its argument clamped where it would overflow (NaN stays NaN) */
+        for (int64_t j = 0; j < F; ++j) o[j] = -g[j] < 88.0f ? -g[j] : 88.0f;
+        if (F) exp_f32(o, o, F);
+        for (int64_t j = 0; j < F; ++j)
+            o[j] = -g[j] < 88.0f ? g[j] / (1.0f + o[j]) * u[j] : g[j] * 0.0f * u[j];
+    }
+}
+
+/* A waiting thread spins for MH_SPIN_SECONDS, longer than a phase's imbalance on a
+   quiet machine, then yields its core at every turn (a thread of the team without a
+   core gets one back soon); a wait longer than MH_LONG_WAIT_SECONDS is counted. */
+#define MH_SPIN_SECONDS 2e-4
+#define MH_LONG_WAIT_SECONDS 1e-3
+
+static int mh_barrier_passed(mh_team_barrier_t *b, long gen)
+{
+#if defined(_MSC_VER) && !defined(__clang__)
+    _ReadWriteBarrier();
+    return b->gen != gen;
+#else
+    return __atomic_load_n(&b->gen, __ATOMIC_ACQUIRE) != gen;
+#endif
+}
+
+int mh_team_barrier(mh_team_barrier_t *b, int n)
+{
+    if (n <= 1) return 0;
+#if defined(_MSC_VER) && !defined(__clang__)
+    const long gen = b->gen;
+    _ReadWriteBarrier();
+    if (_InterlockedIncrement(&b->count) == n) {
+        b->count = 0;
+        _InterlockedIncrement(&b->gen);
+        return 0;
+    }
+#else
+    const long gen = __atomic_load_n(&b->gen, __ATOMIC_ACQUIRE);
+    if (__atomic_add_fetch(&b->count, 1, __ATOMIC_ACQ_REL) == n) {
+        __atomic_store_n(&b->count, 0, __ATOMIC_RELAXED);
+        __atomic_store_n(&b->gen, gen + 1, __ATOMIC_RELEASE);
+        return 0;
+    }
+#endif
+    for (int i = 0; i < 256; ++i) { /* the usual wait: a few microseconds */
+        if (mh_barrier_passed(b, gen)) return 0;
+        MH_PAUSE();
+    }
+    const double start = mh_seconds();
+    double now = start;
+    while (!mh_barrier_passed(b, gen)) {
+        if (now - start < MH_SPIN_SECONDS) {
+            for (int i = 0; i < 64; ++i) MH_PAUSE();
+        } else {
+            MH_YIELD();
+        }
+        now = mh_seconds();
+    }
+    return now - start > MH_LONG_WAIT_SECONDS;
+}
+
+int64_t mh_next_item(volatile long *counter)
+{
+#if defined(_MSC_VER) && !defined(__clang__)
+    return (int64_t)_InterlockedIncrement(counter) - 1;
+#else
+    return (int64_t)__atomic_fetch_add(counter, 1, __ATOMIC_RELAXED);
+#endif
+}

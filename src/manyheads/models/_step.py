@@ -1,0 +1,138 @@
+"""A decoding step of a Llama-shaped model compiled into one parallel region.
+
+Between the products of a decoding step there is little work (norms, the rotation,
+the cache's new slot, residual adds), but done from Python it costs more than the
+products of a small model, and each product starts and ends a parallel region. A
+:class:`CompiledStep` lays one token's whole pass through the blocks out once per
+(model, caches, rows) as :class:`manyheads._kernels.DecodeProgram` phases: each
+product's work items on every thread, each small step on the first thread, the team
+meeting at a spinning barrier between phases. The kernels, plans and formulas are
+those of :meth:`~manyheads.models.llama.DecoderAttention.decode` and
+:meth:`~manyheads.models.llama.LlamaBlock.decode`, so the logits are the same bits
+(a test compares them for every family and cache format).
+
+What it covers: float32 activations, up to FEW_ROWS rows, any weight format,
+SwiGLU blocks (optionally with post-norms and per-head query/key norms), caches in
+float32, int8 or int4 without padding. Anything else takes the blocks' own decode.
+"""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import numpy as np
+
+from .. import _config, _core, _kernels
+from .._formats import FORMATS
+from ..cache import KVCache
+from ._decoder import prepared
+
+__all__ = ["CompiledStep", "COMPILED_CACHE_FORMATS"]
+
+#: cache storage formats the compiled step writes itself
+COMPILED_CACHE_FORMATS = ("float32", "int8", "int4")
+
+
+def _blocks_compile(blocks: Sequence[Any], silu: Any) -> bool:
+    """Whether every block is one the compiled step reproduces."""
+    for b in blocks:
+        a = b.attn
+        if b.act is not silu or a.sinks is not None or a.alibi_slopes is not None:
+            return False
+        if a.qk_norm is not None and a.eps != b.eps:
+            return False
+    return True
+
+
+class CompiledStep:
+    """One model's decoding step over one list of caches, for ``rows`` rows."""
+
+    def __init__(self, blocks: Sequence[Any], caches: Sequence[KVCache], rows: int,
+                 num_threads: int) -> None:
+        self.blocks = list(blocks)
+        self.caches = list(caches)
+        self.rows = rows
+        self.num_threads = num_threads
+        self.weights = self._weights()
+        B = rows
+        d = self.blocks[0].norm_attn.shape[0]
+        self.x = np.empty((B, d), np.float32)
+        self.program = _kernels.DecodeProgram(len(self.blocks), num_threads)
+        self.layers: list[tuple[Any, KVCache, np.ndarray, np.ndarray]] = []
+
+        def empty(n: int) -> np.ndarray:
+            return np.empty((B, n), np.float32)
+
+        for i, (b, c) in enumerate(zip(self.blocks, self.caches)):
+            a = b.attn
+            H, Hkv, D, F = a.num_heads, a.num_kv_heads, a.head_dim, b.d_ff
+            bufs = (self.x, empty(d), empty((H + 2 * Hkv) * D), empty(H * D), empty(d),
+                    empty(2 * F), empty(F), empty(d), empty(d))
+            qn, kn = a.qk_norm if a.qk_norm is not None else (None, None)
+            norms = (b.norm_attn, b.norm_mlp, b.post_attn, b.post_mlp, qn, kn)
+            products = tuple(prepared(owner, name) + (bias,) for owner, name, bias in (
+                (a, "W_qkv", a.b_qkv), (a, "W_out", a.b_out), (b, "w_gate_up", b.b_gate_up),
+                (b, "w_down", b.b_down)))
+            cache = (FORMATS[c.format].code, c.keys, c.values, c.key_scales, c.value_scales)
+            self.program.set_layer(i, (B, d, H, Hkv, D, F), b.eps, bufs, norms, products, cache)
+            self.layers.append((a, c, bufs[2][:, :H * D].reshape(B, H, 1, D),
+                                bufs[3].reshape(B, H, 1, D)))
+
+    def _weights(self) -> tuple[Any, ...]:
+        return tuple(w for b in self.blocks for w in (b.attn.W_qkv, b.attn.W_out, b.w_gate_up,
+                                                      b.w_down))
+
+    @classmethod
+    def serves(cls, blocks: Sequence[Any], caches: Sequence[KVCache], rows: int,
+               silu: Any) -> bool:
+        """Whether a compiled step can run this decoding step."""
+        return rows <= _kernels.FEW_ROWS and _blocks_compile(blocks, silu) and all(
+            c.format in COMPILED_CACHE_FORMATS and not c._any_padding for c in caches)
+
+    def matches(self, blocks: Sequence[Any], caches: Sequence[KVCache], rows: int) -> bool:
+        """Whether this step was built for these blocks (weights unchanged), caches,
+        rows and the current thread setting."""
+        return (rows == self.rows and len(caches) == len(self.caches)
+                and all(c is d for c, d in zip(caches, self.caches))
+                and all(b is c for b, c in zip(blocks, self.blocks))
+                and _config.resolve_num_threads(None) == self.num_threads
+                and all(w is v for w, v in zip(self._weights(), self.weights)))
+
+    def __call__(self, x: np.ndarray) -> np.ndarray | None:
+        """The residual stream after every block for one token a row, x (B, 1, d): a new
+        array; the caches advance by one token.  None, with nothing changed, when some
+        layer's attention is planned in a layout the step does not lay out."""
+        B = self.rows
+        if any(c._any_padding for c in self.caches):
+            return None
+        calls, angles, slots = [], [], []
+        for (a, c, q, out), b in zip(self.layers, self.blocks):
+            a._check_cache_call(c, None, B, 1)
+            slot, n, offset, window = c._decode_slot()
+            st = c._stored(slice(None), slice(0, n))
+            scale = 1.0 / np.sqrt(a.head_dim) if a.scale is None else a.scale
+            call = _core.decode_call(q, st.k, st.v, st.k_scale, st.v_scale, scale=scale,
+                                     causal_offset=offset, window=window, softcap=a.softcap,
+                                     num_threads=self.num_threads, out=out)
+            if call is None:
+                return None
+            calls.append(call)
+            angles.append(a.rotary.tables(len(c), 1))
+            slots.append(slot)
+        held: list[KVCache] = []
+        try:
+            for c in self.caches:
+                if not c._busy.acquire(blocking=False):
+                    raise RuntimeError("KVCache is in use by another call: a cache belongs "
+                                       "to one decoding stream (give each thread its own "
+                                       "cache)")
+                held.append(c)
+            self.x[...] = x.reshape(B, -1)
+            self.program.run(calls, angles, slots)
+            for c, slot in zip(self.caches, slots):
+                c.padding[:, slot] = False
+                c._len += 1
+        finally:
+            for c in held:
+                c._busy.release()
+        y: np.ndarray = self.x.reshape(x.shape).copy()
+        return y
