@@ -9,8 +9,10 @@
  * or int8 with one float32 scale per (group of a->group rows of k, column).  Float
  * formats are widened as they load, so their sums are those of the widened weights,
  * bit for bit; an int8 group's sums are multiplied by the group's scale and added to
- * the total after the group.  Each output element adds k = 0, 1, ... in order with
- * the path's multiply-add, so the column blocking never changes a bit.
+ * the total after the group.  Each output element adds its k rows eight at a time
+ * from the start of its chunk (or group), in order, each eight as the pair sum of
+ * FN(eight_rows), then the remaining rows one multiply-add each: the same
+ * arithmetic in every column, so the column blocking never changes a bit.
  */
 
 /* sums of T a row of a few-rows block */
@@ -44,10 +46,25 @@ MH_INLINE V FN(scales_load)(const float *s)
     return V_LOAD(lanes);
 }
 
-/* acc[r][0, nv*VW) += x[r][kk] * w[kk][c0 + ...] for kk in [k0, k1), in k order: eight
-   rows of w per pass (eight streams, and the sums loaded and stored once for eight
-   rows), each a contiguous run of the block (up to MH_LINEAR_BLOCK_BYTES
-   of sums, which the hardware prefetchers stream at the memory's rate). */
+/* s + x0 w0 + ... + x7 w7 for eight rows of weights as two chains, (x0 w0 + x2 w2 + x4
+   w4 + x6 w6) + (x1 w1 + ... + x7 w7), added to s: half the latency of one chain of
+   eight multiply-adds, which otherwise bounds the product below the memory's rate
+   for the weights that are widened as they load. */
+MH_INLINE V FN(eight_rows)(const V *xs, const V *w, V s)
+{
+    V a = V_MUL(xs[0], w[0]), b = V_MUL(xs[1], w[1]);
+    for (int i = 2; i < 8; i += 2) {
+        a = V_FMA(xs[i], w[i], a);
+        b = V_FMA(xs[i + 1], w[i + 1], b);
+    }
+    return V_ADD(s, V_ADD(a, b));
+}
+
+/* acc[r][0, nv*VW) += x[r][kk] * w[kk][c0 + ...] for kk in [k0, k1): eight rows of w
+   per pass (FN(eight_rows); eight streams, and the sums loaded and stored once for
+   eight rows), each a contiguous run of the block (up to MH_LINEAR_BLOCK_BYTES of
+   sums, which the hardware prefetchers stream at the memory's rate), then the rows
+   left one at a time. */
 MH_INLINE void FN(linear_accumulate)(const int fmt, const mh_linear_args *a, int64_t c0,
                                      int64_t nv, const int R, int64_t k0, int64_t k1,
                                      T *acc, int64_t acc_row)
@@ -64,9 +81,9 @@ MH_INLINE void FN(linear_accumulate)(const int fmt, const mh_linear_args *a, int
             T *ar = acc + r * acc_row;
             for (int64_t v = 0; v < nv; ++v) {
                 const int64_t o = w0 + v * VW;
-                V s = V_LOAD(ar + v * VW);
-                for (int i = 0; i < 8; ++i) s = V_FMA(xs[i], FN(w_load)(fmt, a->w, o + i * ld), s);
-                V_STORE(ar + v * VW, s);
+                V ws[8];
+                for (int i = 0; i < 8; ++i) ws[i] = FN(w_load)(fmt, a->w, o + i * ld);
+                V_STORE(ar + v * VW, FN(eight_rows)(xs, ws, V_LOAD(ar + v * VW)));
             }
         }
     }
@@ -141,7 +158,16 @@ static void FN(linear_rows_column)(const mh_linear_args *a, int64_t c, int R, in
         for (int64_t g0 = k0, g1; g0 < k1; g0 = g1) {
             g1 = (g0 / group + 1) * group < k1 ? (g0 / group + 1) * group : k1;
             V part = fmt == MH_STORE_I8 ? V_ZERO() : acc;
-            for (int64_t kk = g0; kk < g1; ++kk)
+            int64_t kk = g0;
+            for (; kk + 8 <= g1; kk += 8) { /* as FN(linear_accumulate) */
+                V xs[8], ws[8];
+                for (int i = 0; i < 8; ++i) {
+                    xs[i] = V_SET1(x[r * a->x_row + kk + i]);
+                    ws[i] = V_SET1((T)mh_weight_at(fmt, a->w, (kk + i) * a->w_row + c));
+                }
+                part = FN(eight_rows)(xs, ws, part);
+            }
+            for (; kk < g1; ++kk)
                 part = V_FMA(V_SET1(x[r * a->x_row + kk]),
                              V_SET1((T)mh_weight_at(fmt, a->w, kk * a->w_row + c)), part);
             acc = fmt == MH_STORE_I8

@@ -389,3 +389,18 @@ def test_the_decode_steps_are_the_general_step_bit_for_bit(pair, monkeypatch):
         for a, b, c in zip(a_steps, b_steps, c_steps):
             np.testing.assert_array_equal(a, c, err_msg=f"cache {fmt}")
             np.testing.assert_array_equal(b, c, err_msg=f"cache {fmt}")
+
+
+def test_the_compiled_step_keeps_no_cache_alive(pair):
+    """The model remembers its compiled step between tokens, but refers to the caches
+    weakly: a generation's caches are freed when the caller drops them."""
+    import gc
+    import weakref
+
+    family, _, _, model = pair
+    caches = model.new_caches(1, 8)
+    model.generate(np.arange(4) % VOCAB, 3, caches=caches)
+    refs = [weakref.ref(c) for c in caches]
+    del caches
+    gc.collect()
+    assert all(r() is None for r in refs)

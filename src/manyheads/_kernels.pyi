@@ -136,10 +136,10 @@ class DecodeProgram:
     """One decoding step of a Llama-shaped decoder, compiled into phases of one region."""
     def __init__(self, n_layers: int, num_threads: int) -> None: ...
     def set_layer(self, i: int, dims: tuple[int, ...], eps: float, buffers: tuple[Any, ...],
-                  norms: tuple[Any, ...], products: tuple[Any, ...],
-                  cache: tuple[Any, ...]) -> None:
-        """Layer i's sizes, buffers, norms, products and cache."""
-    def run(self, calls: list[Any], angles: list[Any], slots: list[int]) -> int:
+                  norms: tuple[Any, ...], products: tuple[Any, ...]) -> None:
+        """Layer i's sizes, buffers, norms and products."""
+    def run(self, calls: list[Any], angles: list[Any], slots: list[int],
+            caches: list[Any]) -> int:
         """One token through every layer; how often the first thread waited over 1 ms."""
 
 def read_sum(data: npt.NDArray[np.float32], num_threads: int) -> float:

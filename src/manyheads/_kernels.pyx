@@ -925,14 +925,14 @@ cdef long _run_phases(const Phase *ph, int n_phases, int nt, char *scratch, size
     after each phase (a token's step has hundreds, microseconds apart).  Returns how
     often thread 0 waited more than a millisecond at a barrier (the others' waits are
     not counted: they wait for thread 0's serial phases by design)."""
-    cdef mh_team_barrier_t bar
+    cdef mh_team_barrier_t meeting
     cdef int i, tid, team
     cdef int64_t it
     cdef long y
     cdef long yields = 0
     cdef long *yields_ptr = &yields
-    bar.count = 0
-    bar.gen = 0
+    meeting.count = 0
+    meeting.gen = 0
     with parallel(num_threads=nt):
         tid = threadid()
         team = mh_omp_team_size()
@@ -945,7 +945,7 @@ cdef long _run_phases(const Phase *ph, int n_phases, int nt, char *scratch, size
                 while it < ph[i].n_items:
                     ph[i].item(ph[i].job, it, scratch + tid * stride)
                     it = mh_next_item(&counters[i])
-            y = mh_team_barrier(&bar, team)
+            y = mh_team_barrier(&meeting, team)
             if tid == 0:
                 yields_ptr[0] += y
     return yields
@@ -968,12 +968,16 @@ cdef class DecodeProgram:
     cdef long *counters
     cdef int n_layers, max_phases, nt
     cdef list _keep
+    cdef object _partial  # the products' chunk sums, one buffer for all (run in turn)
+    cdef int64_t _partial_elems
 
     def __cinit__(self, int n_layers, int num_threads):
         self.n_layers = n_layers
         self.nt = num_threads if num_threads > 1 else 1
         self.max_phases = 11 * n_layers
         self._keep = []
+        self._partial = None
+        self._partial_elems = 0
         self.layers = <LayerStep *>calloc(n_layers, sizeof(LayerStep))
         self.jobs = <Job *>calloc(6 * n_layers, sizeof(Job))
         self.phases = <Phase *>calloc(self.max_phases, sizeof(Phase))
@@ -987,19 +991,18 @@ cdef class DecodeProgram:
         free(self.phases)
         free(self.counters)
 
-    def set_layer(self, int i, tuple dims, float eps, tuple buffers, tuple norms, tuple products,
-                  tuple cache):
+    def set_layer(self, int i, tuple dims, float eps, tuple buffers, tuple norms,
+                  tuple products):
         """Layer i: dims (B, d, H, Hkv, D, F); buffers x, h, qkv, att, o, gu, act, dn, tmp
-        (float32, C-contiguous); norms (attn, mlp, post_attn, post_mlp, q, k), None where
-        absent; products: four (w storage code or -1, data, scales, group, bias) for
-        qkv, out, gate-up and down; cache: (storage code, keys, values, key scales, value
-        scales) arrays as stored, (B, Hkv, slots, x)."""
+        (float32, C-contiguous; layers may share them, as they run in turn); norms
+        (attn, mlp, post_attn, post_mlp, q, k), None where absent; products: four (w
+        storage code or -1, data, scales, group, bias) for qkv, out, gate-up and down."""
         cdef LayerStep *s = &self.layers[i]
         cdef mh_linear_args *a
         cdef LinearPlan p
-        cdef cnp.ndarray data, xa, oa, kc, vc, ksc
+        cdef cnp.ndarray data, xa, oa
         cdef int j
-        self._keep.append((buffers, norms, products, cache))
+        self._keep.append((buffers, norms, products))
         s.B = dims[0]
         s.d = dims[1]
         s.H = dims[2]
@@ -1047,11 +1050,16 @@ cdef class DecodeProgram:
             s.chunks[j] = p.chunks
             s.items[j] = p.n_items
             if p.chunks > 1:
-                part = np.empty(p.chunks * a.m * a.n, np.float32)
-                self._keep.append(part)
-                a.partial = _data(part)
+                self._partial_elems = max(self._partial_elems, p.chunks * a.m * a.n)
             self.jobs[6 * i + j].lin = a
             self.jobs[6 * i + j].rows = _table.linear_rows_f32
+        s.exp_f32 = _table.exp_f32
+
+    cdef int _set_cache(self, LayerStep *s, tuple cache) except -1:
+        """The layer's cache for this run: (storage code, keys, values, key scales, value
+        scales) as stored, (B, Hkv, slots, x) (referenced by the run's calls)."""
+        cdef cnp.ndarray kc, ksc
+        cdef int j
         s.kv_fmt, kc, vc, ksc, vsc = cache
         s.kc, s.vc = <char *>_data(kc), <char *>_data(vc)
         s.ksc = <char *>_data(ksc) if ksc is not None else NULL
@@ -1059,12 +1067,13 @@ cdef class DecodeProgram:
         for j in range(3):
             s.kv_s[j] = kc.strides[j]
             s.sc_s[j] = ksc.strides[j] if ksc is not None else 0
-        s.exp_f32 = _table.exp_f32
+        return 0
 
-    def run(self, list calls, list angles, list slots):
+    def run(self, list calls, list angles, list slots, list caches):
         """One token through every layer: ``calls[i]`` layer i's prepared AttentionCall
         (operands set, queries in its qkv buffer, keys over the cache including this
-        token's slot ``slots[i]``), ``angles[i]`` its rotary (cos, sin), each (1, n).
+        token's slot ``slots[i]``), ``angles[i]`` its rotary (cos, sin), each (1, n),
+        ``caches[i]`` its cache's arrays (see _set_cache); none is kept after the run.
         Returns how often the first thread waited more than a millisecond for the
         others; more than twice, and the calls of the next CONTENDED_SECONDS plan as
         contended (:func:`contended`)."""
@@ -1081,8 +1090,14 @@ cdef class DecodeProgram:
             if call.plan.widened_rows:
                 raise ValueError("a decoding step's attention widens no rows")
             stride = max(stride, call.plan.scratch_stride)
+        if self._partial_elems and self._partial is None:
+            self._partial = np.empty(self._partial_elems, np.float32)
+            for i in range(4 * self.n_layers):
+                if self.layers[i // 4].chunks[i % 4] > 1:
+                    self.layers[i // 4].lin[i % 4].partial = _data(self._partial)
         for i in range(self.n_layers):
             s = &self.layers[i]
+            self._set_cache(s, caches[i])
             cos, sin = angles[i]
             s.rot_n = cos.shape[1]
             s.cos = _f32(cos)

@@ -281,7 +281,7 @@ class DecoderModel:
         if caches is not None and arr.shape[1] == 1 and pad is None:
             # a decoding step: compiled where the family can, else the blocks' lean path
             step = self._decode_step(caches, arr.shape[0]) if stop_at is None else None
-            y = None if step is None else step(x)
+            y = None if step is None else step(x, caches)
             if y is not None:
                 return y, pad
             for block, cache in zip(self.blocks[:stop_at], caches):

@@ -17,6 +17,7 @@ float32, int8 or int4 without padding. Anything else takes the blocks' own decod
 """
 from __future__ import annotations
 
+import weakref
 from typing import Any, Sequence
 
 import numpy as np
@@ -44,12 +45,14 @@ def _blocks_compile(blocks: Sequence[Any], silu: Any) -> bool:
 
 
 class CompiledStep:
-    """One model's decoding step over one list of caches, for ``rows`` rows."""
+    """One model's decoding step over one list of caches, for ``rows`` rows.  It refers
+    to the caches weakly and hands their arrays to each run only, so it never keeps a
+    cache alive; the layers share their work buffers (they run in turn)."""
 
     def __init__(self, blocks: Sequence[Any], caches: Sequence[KVCache], rows: int,
                  num_threads: int) -> None:
         self.blocks = list(blocks)
-        self.caches = list(caches)
+        self.cache_refs = [weakref.ref(c) for c in caches]
         self.rows = rows
         self.num_threads = num_threads
         self.weights = self._weights()
@@ -57,24 +60,27 @@ class CompiledStep:
         d = self.blocks[0].norm_attn.shape[0]
         self.x = np.empty((B, d), np.float32)
         self.program = _kernels.DecodeProgram(len(self.blocks), num_threads)
-        self.layers: list[tuple[Any, KVCache, np.ndarray, np.ndarray]] = []
+        self.layers: list[tuple[Any, np.ndarray, np.ndarray]] = []
+        shared: dict[tuple[str, int], np.ndarray] = {}
 
-        def empty(n: int) -> np.ndarray:
-            return np.empty((B, n), np.float32)
+        def buffer(name: str, n: int) -> np.ndarray:
+            if (name, n) not in shared:
+                shared[name, n] = np.empty((B, n), np.float32)
+            return shared[name, n]
 
-        for i, (b, c) in enumerate(zip(self.blocks, self.caches)):
+        for i, b in enumerate(self.blocks):
             a = b.attn
             H, Hkv, D, F = a.num_heads, a.num_kv_heads, a.head_dim, b.d_ff
-            bufs = (self.x, empty(d), empty((H + 2 * Hkv) * D), empty(H * D), empty(d),
-                    empty(2 * F), empty(F), empty(d), empty(d))
+            bufs = (self.x, buffer("h", d), buffer("qkv", (H + 2 * Hkv) * D),
+                    buffer("att", H * D), buffer("o", d), buffer("gu", 2 * F),
+                    buffer("act", F), buffer("dn", d), buffer("tmp", d))
             qn, kn = a.qk_norm if a.qk_norm is not None else (None, None)
             norms = (b.norm_attn, b.norm_mlp, b.post_attn, b.post_mlp, qn, kn)
             products = tuple(prepared(owner, name) + (bias,) for owner, name, bias in (
                 (a, "W_qkv", a.b_qkv), (a, "W_out", a.b_out), (b, "w_gate_up", b.b_gate_up),
                 (b, "w_down", b.b_down)))
-            cache = (FORMATS[c.format].code, c.keys, c.values, c.key_scales, c.value_scales)
-            self.program.set_layer(i, (B, d, H, Hkv, D, F), b.eps, bufs, norms, products, cache)
-            self.layers.append((a, c, bufs[2][:, :H * D].reshape(B, H, 1, D),
+            self.program.set_layer(i, (B, d, H, Hkv, D, F), b.eps, bufs, norms, products)
+            self.layers.append((a, bufs[2][:, :H * D].reshape(B, H, 1, D),
                                 bufs[3].reshape(B, H, 1, D)))
 
     def _weights(self) -> tuple[Any, ...]:
@@ -91,21 +97,22 @@ class CompiledStep:
     def matches(self, blocks: Sequence[Any], caches: Sequence[KVCache], rows: int) -> bool:
         """Whether this step was built for these blocks (weights unchanged), caches,
         rows and the current thread setting."""
-        return (rows == self.rows and len(caches) == len(self.caches)
-                and all(c is d for c, d in zip(caches, self.caches))
+        return (rows == self.rows and len(caches) == len(self.cache_refs)
+                and all(r() is c for r, c in zip(self.cache_refs, caches))
                 and all(b is c for b, c in zip(blocks, self.blocks))
                 and _config.resolve_num_threads(None) == self.num_threads
                 and all(w is v for w, v in zip(self._weights(), self.weights)))
 
-    def __call__(self, x: np.ndarray) -> np.ndarray | None:
-        """The residual stream after every block for one token a row, x (B, 1, d): a new
-        array; the caches advance by one token.  None, with nothing changed, when some
-        layer's attention is planned in a layout the step does not lay out."""
+    def __call__(self, x: np.ndarray, caches: Sequence[KVCache]) -> np.ndarray | None:
+        """The residual stream after every block for one token a row, x (B, 1, d), through
+        ``caches`` (those it was built for): a new array; the caches advance by one
+        token.  None, with nothing changed, when a cache holds padding or some layer's
+        attention is planned in a layout the step does not lay out."""
         B = self.rows
-        if any(c._any_padding for c in self.caches):
+        if any(c._any_padding for c in caches):
             return None
-        calls, angles, slots = [], [], []
-        for (a, c, q, out), b in zip(self.layers, self.blocks):
+        calls, angles, slots, arrays = [], [], [], []
+        for (a, q, out), c in zip(self.layers, caches):
             a._check_cache_call(c, None, B, 1)
             slot, n, offset, window = c._decode_slot()
             st = c._stored(slice(None), slice(0, n))
@@ -118,17 +125,19 @@ class CompiledStep:
             calls.append(call)
             angles.append(a.rotary.tables(len(c), 1))
             slots.append(slot)
+            arrays.append((FORMATS[c.format].code, c.keys, c.values, c.key_scales,
+                           c.value_scales))
         held: list[KVCache] = []
         try:
-            for c in self.caches:
+            for c in caches:
                 if not c._busy.acquire(blocking=False):
                     raise RuntimeError("KVCache is in use by another call: a cache belongs "
                                        "to one decoding stream (give each thread its own "
                                        "cache)")
                 held.append(c)
             self.x[...] = x.reshape(B, -1)
-            self.program.run(calls, angles, slots)
-            for c, slot in zip(self.caches, slots):
+            self.program.run(calls, angles, slots, arrays)
+            for c, slot in zip(caches, slots):
                 c.padding[:, slot] = False
                 c._len += 1
         finally:
