@@ -404,3 +404,38 @@ def test_the_compiled_step_keeps_no_cache_alive(pair):
     del caches
     gc.collect()
     assert all(r() is None for r in refs)
+
+
+def test_the_compiled_step_on_one_thread_and_never_with_more_threads_than_cores(
+        pair, monkeypatch):
+    """One thread runs the compiled step without a parallel region; more threads than
+    the process has cores would spin against each other, so the lean path takes them.
+    The logits are the same bits either way."""
+    import manyheads as mh
+    from manyheads import _config
+    from manyheads.models import llama
+
+    family, _, _, model = pair
+    if family.startswith("gemma"):  # GeGLU: never compiled (see the test above)
+        return
+    built = []
+    compiled_step = llama.Llama._decode_step
+
+    def counted_step(self, caches, rows):
+        step = compiled_step(self, caches, rows)
+        built.append(None if step is None else step.num_threads)
+        return step
+
+    monkeypatch.setattr(llama.Llama, "_decode_step", counted_step)
+    ids = np.arange(9)[None] % VOCAB
+    before = mh.get_num_threads()
+    try:
+        results = {}
+        for threads in (1, _config.cores() + 1):
+            mh.set_num_threads(threads)
+            built.clear()
+            results[threads] = model.generate(ids, 6)
+            assert built == ([1] * 5 if threads == 1 else [None] * 5)
+    finally:
+        mh.set_num_threads(before)
+    np.testing.assert_array_equal(results[1], results[_config.cores() + 1])

@@ -104,6 +104,13 @@ _CPUS = os.cpu_count() or 1
 _MAX_THREADS = 4 * _CPUS
 
 
+def cores() -> int:
+    """The cores this process may run on (its affinity mask where the OS has one)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0)) or 1
+    return _CPUS
+
+
 def max_threads() -> int:
     """Cap on any thread request: 4 per core (beyond that threads only cost)."""
     return _MAX_THREADS

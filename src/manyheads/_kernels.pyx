@@ -933,6 +933,14 @@ cdef long _run_phases(const Phase *ph, int n_phases, int nt, char *scratch, size
     cdef long *yields_ptr = &yields
     meeting.count = 0
     meeting.gen = 0
+    if nt <= 1:  # no parallel region at all (as _run_items: a forked child has no pool)
+        for i in range(n_phases):
+            if ph[i].serial != NULL:
+                ph[i].serial(ph[i].step)
+            else:
+                for it in range(ph[i].n_items):
+                    ph[i].item(ph[i].job, it, scratch)
+        return 0
     with parallel(num_threads=nt):
         tid = threadid()
         team = mh_omp_team_size()

@@ -89,10 +89,13 @@ class CompiledStep:
 
     @classmethod
     def serves(cls, blocks: Sequence[Any], caches: Sequence[KVCache], rows: int,
-               silu: Any) -> bool:
-        """Whether a compiled step can run this decoding step."""
-        return rows <= _kernels.FEW_ROWS and _blocks_compile(blocks, silu) and all(
-            c.format in COMPILED_CACHE_FORMATS and not c._any_padding for c in caches)
+               silu: Any, num_threads: int) -> bool:
+        """Whether a compiled step can run this decoding step: its threads spin, so
+        not with more threads than the process has cores."""
+        return (rows <= _kernels.FEW_ROWS and num_threads <= _config.cores()
+                and _blocks_compile(blocks, silu)
+                and all(c.format in COMPILED_CACHE_FORMATS and not c._any_padding
+                        for c in caches))
 
     def matches(self, blocks: Sequence[Any], caches: Sequence[KVCache], rows: int) -> bool:
         """Whether this step was built for these blocks (weights unchanged), caches,

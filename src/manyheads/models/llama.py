@@ -413,9 +413,10 @@ class Llama(DecoderModel):
         step: CompiledStep | None = self.__dict__.get("_step")
         if step is not None and step.matches(self.blocks, caches, rows):
             return step
-        if not CompiledStep.serves(self.blocks, caches, rows, silu):
+        nt = resolve_num_threads(None)
+        if not CompiledStep.serves(self.blocks, caches, rows, silu, nt):
             return None
-        step = self._step = CompiledStep(self.blocks, caches, rows, resolve_num_threads(None))
+        step = self._step = CompiledStep(self.blocks, caches, rows, nt)
         return step
 
     def parameters(self) -> list[np.ndarray]:
