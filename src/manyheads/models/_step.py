@@ -84,8 +84,11 @@ class CompiledStep:
                                 bufs[3].reshape(B, H, 1, D)))
 
     def _weights(self) -> tuple[Any, ...]:
-        return tuple(w for b in self.blocks for w in (b.attn.W_qkv, b.attn.W_out, b.w_gate_up,
-                                                      b.w_down))
+        """Every array the program reads of the blocks (compared by identity: one
+        replaced by assignment means a new program)."""
+        return tuple(w for b in self.blocks for w in (
+            b.attn.W_qkv, b.attn.W_out, b.attn.b_qkv, b.attn.b_out, b.attn.qk_norm, b.w_gate_up,
+            b.b_gate_up, b.w_down, b.b_down, b.norm_attn, b.norm_mlp, b.post_attn, b.post_mlp))
 
     @classmethod
     def serves(cls, blocks: Sequence[Any], caches: Sequence[KVCache], rows: int,
