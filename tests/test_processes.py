@@ -86,8 +86,12 @@ sys.exit(3)
 @pytest.mark.skipif(not POSIX, reason="sends a real SIGINT")
 @pytest.mark.parametrize("threads", [1, 2])
 def test_ctrl_c_stops_a_long_call_with_keyboard_interrupt(threads):
+    # the child takes SIGINT's default disposition, whatever this process inherited: a
+    # run started in the background by a shell without job control ignores SIGINT, its
+    # children too, and Python then installs no KeyboardInterrupt handler at all
     proc = subprocess.Popen([sys.executable, "-c", SIGINT_SCRIPT, str(threads)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         assert proc.stdout.readline().strip() == "started"
         # the call has begun (inputs are built before "started"); let it run a moment
