@@ -470,7 +470,7 @@ def linear(x: np.ndarray, w: Any, bias: np.ndarray | None, num_threads: int) -> 
     """
     lead, k = x.shape[:-1], x.shape[-1]
     x2 = _rows_ready(x.reshape(math.prod(lead), k))
-    fmt, data, scales, group = _weight_parts(w)
+    fmt, data, scales, group = weight_parts(w)
     if fmt >= 0 and x2.dtype != _FLOAT32:  # stored weights serve float32 kernels only
         fmt, data, scales, group = -1, _widened(w).astype(x2.dtype), None, 0
     n = data.shape[1]
@@ -497,12 +497,6 @@ def linear(x: np.ndarray, w: Any, bias: np.ndarray | None, num_threads: int) -> 
 WeightParts = tuple[int, np.ndarray, "np.ndarray | None", int]
 
 
-def weight_parts(w: Any) -> WeightParts:
-    """A weight as the kernels read it (see :func:`project_rows`): worked out once, by a
-    caller that multiplies by the same weight again and again (a decoder's step)."""
-    return _weight_parts(w)
-
-
 def project_rows(x2: np.ndarray, parts: WeightParts, bias: np.ndarray | None,
                  num_threads: int) -> np.ndarray:
     """``x2 @ w + bias`` for up to FEW_ROWS float32 rows x2 (m, k) with contiguous rows
@@ -517,8 +511,10 @@ def project_rows(x2: np.ndarray, parts: WeightParts, bias: np.ndarray | None,
     return out
 
 
-def _weight_parts(w: Any) -> WeightParts:
-    """(storage code or -1 for x's own dtype, the stored array, int8 scales, int8 group)."""
+def weight_parts(w: Any) -> WeightParts:
+    """A weight as the kernels read it: (storage code or -1 for x's own dtype, the stored
+    array, int8 scales, int8 group); a decoder's step works it out once per weight
+    (:func:`project_rows`)."""
     if isinstance(w, np.ndarray):
         name = w.dtype.name
         if name in ("float16", "bfloat16"):

@@ -362,10 +362,7 @@ class KVCache:
         cache holds padding (the general step takes it)."""
         if self._any_padding or k_new.shape[2] != 1:
             return False
-        if self._len + 1 > self.max_len:
-            raise ValueError(f"cache is full: {self._len} tokens + 1 new > "
-                             f"max_len={self.max_len}")
-        with _Held(self):
+        with _Held(self):  # (the module has checked the room: check_compatible)
             slot, n, offset, window = self._decode_slot()
             self._store(slice(None), slice(slot, slot + 1), k_new, v_new)
             self.padding[:, slot] = False
