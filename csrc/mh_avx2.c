@@ -30,6 +30,44 @@ static inline __m256 mh_load_u4_avx2(const uint8_t *p)
     return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(nib));
 }
 
+/* A group of 32 four-bit values from 16 bytes in split order (mh_few_rows.h,
+   FN(u4_row)): u[0] and u[1] the even channels 0-14 and 16-30 (the low
+   nibbles), u[2] and u[3] the odd ones. */
+static inline void mh_load_u4_group_avx2(const uint8_t *p, __m256 *u)
+{
+    const __m128i b = _mm_loadu_si128((const __m128i *)p), low4 = _mm_set1_epi8(0x0f);
+    const __m128i lo = _mm_and_si128(b, low4), hi = _mm_and_si128(_mm_srli_epi16(b, 4), low4);
+    u[0] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo));
+    u[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)));
+    u[2] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
+    u[3] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)));
+}
+
+/* The 4 vectors of a group (channels 0-7, 8-15, 16-23, 24-31) to split order
+   and back.  shuffle_ps takes the even (odd) lanes of two vectors within each
+   128-bit half; the 64-bit permute puts the halves in channel order. */
+static inline void mh_split_group_avx2(__m256 *u)
+{
+    const __m256 e0 = _mm256_shuffle_ps(u[0], u[1], 0x88), o0 = _mm256_shuffle_ps(u[0], u[1], 0xDD);
+    const __m256 e1 = _mm256_shuffle_ps(u[2], u[3], 0x88), o1 = _mm256_shuffle_ps(u[2], u[3], 0xDD);
+#define MH_HALVES_IN_ORDER(x) _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(x), 0xD8))
+    u[0] = MH_HALVES_IN_ORDER(e0);
+    u[1] = MH_HALVES_IN_ORDER(e1);
+    u[2] = MH_HALVES_IN_ORDER(o0);
+    u[3] = MH_HALVES_IN_ORDER(o1);
+#undef MH_HALVES_IN_ORDER
+}
+static inline void mh_unsplit_group_avx2(__m256 *u)
+{
+    /* unpacklo of (evens, odds): channels 0-3 in the low half, 8-11 in the high */
+    const __m256 a = _mm256_unpacklo_ps(u[0], u[2]), b = _mm256_unpackhi_ps(u[0], u[2]);
+    const __m256 c = _mm256_unpacklo_ps(u[1], u[3]), d = _mm256_unpackhi_ps(u[1], u[3]);
+    u[0] = _mm256_permute2f128_ps(a, b, 0x20);
+    u[1] = _mm256_permute2f128_ps(a, b, 0x31);
+    u[2] = _mm256_permute2f128_ps(c, d, 0x20);
+    u[3] = _mm256_permute2f128_ps(c, d, 0x31);
+}
+
 static inline double mh_hsum_f64_avx2(__m256d v)
 {
     __m128d s = _mm_add_pd(_mm256_castpd256_pd128(v), _mm256_extractf128_pd(v, 1));
@@ -121,6 +159,10 @@ static inline void mh_transpose_f64_avx2(__m256d r[4])
     _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(p))), 16))
 #define V_LOAD_I8(p) _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p))))
 #define V_LOAD_U4(p) mh_load_u4_avx2((const uint8_t *)(p))
+/* int4 groups in split order (mh_few_rows.h, FN(u4_row)) */
+#define V_LOAD_U4_GROUP(p, u) mh_load_u4_group_avx2((const uint8_t *)(p), (u))
+#define V_SPLIT_GROUP(u) mh_split_group_avx2(u)
+#define V_UNSPLIT_GROUP(u) mh_unsplit_group_avx2(u)
 #define V_STORE_BF16(p, x) _mm_storeu_si128((__m128i *)(p), mh_to_bf16_avx2(x))
 #define V_STORE_HALF(p, x) \
     _mm_storeu_si128((__m128i *)(p), _mm256_cvtps_ph((x), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC))
@@ -205,6 +247,7 @@ static inline __m256 mh_exp2_f32_avx2(__m256 x)
 #define MH_HAS_BF16_LOAD 1
 #define MH_HAS_I8_LOAD 1
 #define MH_HAS_U4_LOAD 1
+#define MH_HAS_U4_SPLIT 1
 #define MH_HAS_HALF_STORE 1
 #define MH_HAS_HALF_SCALAR 1
 #include "mh_instance.h"

@@ -132,9 +132,9 @@ static inline void mh_transpose_f64_avx512(__m512d r[8])
 #define V_LOAD_I8(p) _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p))))
 #define V_LOAD_U4(p) mh_load_u4_avx512((const uint8_t *)(p))
 /* int4 groups in split order (mh_few_rows.h, FN(u4_row)) */
-#define V_LOAD_U4_SPLIT(p, lo, hi) mh_load_u4_split_avx512((const uint8_t *)(p), &(lo), &(hi))
-#define V_SPLIT(a, b) mh_split_avx512(&(a), &(b))
-#define V_UNSPLIT(a, b) mh_unsplit_avx512(&(a), &(b))
+#define V_LOAD_U4_GROUP(p, u) mh_load_u4_split_avx512((const uint8_t *)(p), &(u)[0], &(u)[1])
+#define V_SPLIT_GROUP(u) mh_split_avx512(&(u)[0], &(u)[1])
+#define V_UNSPLIT_GROUP(u) mh_unsplit_avx512(&(u)[0], &(u)[1])
 #define V_STORE_BF16(p, x) _mm256_storeu_si256((__m256i *)(p), mh_to_bf16_avx512(x))
 #define V_STORE_HALF(p, x) \
     _mm256_storeu_si256((__m256i *)(p), _mm512_cvtps_ph((x), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC))

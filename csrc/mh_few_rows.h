@@ -89,19 +89,20 @@ static inline void FN(prefetch_rows)(FN(kv_rows) p, int64_t j, int64_t n)
 
 static const FN(kv_rows) FN(no_rows) = {0, 0, 0, 0, 0};
 
+#define MH_I4_SPLIT MH_HAS_U4_SPLIT
+#define MH_I4_VECS (MH_I4_GROUP / VW) /* vectors a group */
 #if MH_HAS_I8_LOAD && MH_HAS_U4_LOAD
 /* The 4-bit values of n vectors of a stored int4 row, widened as they are (no
-   scale or min).  Where the ISA has V_LOAD_U4_SPLIT (VW = MH_I4_GROUP / 2),
-   each group comes in split order: its even channels (the low nibbles) in one
-   vector, its odd channels in the next, which takes fewer instructions; the
-   query rows (FN(attend_few_rows)) and the output columns (the int4 mix) are
-   put in the same order for them. */
-#define MH_I4_SPLIT MH_HAS_U4_SPLIT /* (an ISA declares it only where 2 * VW == MH_I4_GROUP) */
+   scale or min).  Where the ISA has V_LOAD_U4_GROUP, each whole group comes
+   in split order: its even channels (the low nibbles), then its odd channels
+   (the high ones), which takes about half the instructions of widening them
+   in place; the query rows (FN(attend_few_rows)) and the output columns (the
+   int4 mix) are put in the same order for them. */
 MH_INLINE void FN(u4_row)(const char *row, int64_t n, V *u)
 {
     int64_t c = 0;
 #if MH_I4_SPLIT
-    for (; c + 2 <= n; c += 2) V_LOAD_U4_SPLIT((const uint8_t *)row + c * (VW / 2), u[c], u[c + 1]);
+    for (; c + MH_I4_VECS <= n; c += MH_I4_VECS) V_LOAD_U4_GROUP((const uint8_t *)row + c * (VW / 2), u + c);
 #endif
     for (; c < n; ++c) u[c] = V_LOAD_U4((const uint8_t *)row + c * (VW / 2));
 }
@@ -370,13 +371,13 @@ MH_INLINE void FN(few_rows_output_cols)(T *acc, int64_t evp, const T *alpha, con
     /* (whole groups: the chunks of 16, 8 and 4 vectors; columns that come one
        vector at a time are the last nvv % 4 whatever the rows, so a column
        takes the same path for any number of rows) */
-    if (fmt == MH_STORE_I4 && !select && NC % 2 == 0 && c % 2 == 0) {
+    if (fmt == MH_STORE_I4 && !select && NC % MH_I4_VECS == 0 && c % MH_I4_VECS == 0) {
         /* factored by group as the keys (FN(i4_key_lanes)): p (s u + m) summed
            over the keys is (p s) u summed, plus the sum of p m once per group */
-        const int NG = NC * VW / MH_I4_GROUP, per = MH_I4_GROUP / VW;
-        T pm[MH_FEW_ROWS][4 * NVO * VW / MH_I4_GROUP];
+        const int NG = NC / MH_I4_VECS, per = MH_I4_VECS;
+        T pm[MH_FEW_ROWS][4 * NVO / MH_I4_VECS + 1];
         for (int r = 0; r < R; ++r)
-            for (int uu = 0; uu < NC; uu += 2) V_SPLIT(o[r][uu], o[r][uu + 1]);
+            for (int uu = 0; uu < NC; uu += per) V_SPLIT_GROUP(o[r] + uu);
         for (int r = 0; r < R; ++r)
             for (int g = 0; g < NG; ++g) pm[r][g] = 0;
         for (int64_t j = 0; j < nk; ++j) {
@@ -396,7 +397,7 @@ MH_INLINE void FN(few_rows_output_cols)(T *acc, int64_t evp, const T *alpha, con
         }
         for (int r = 0; r < R; ++r) {
             for (int uu = 0; uu < NC; ++uu) o[r][uu] = V_ADD(o[r][uu], V_SET1(pm[r][uu / per]));
-            for (int uu = 0; uu < NC; uu += 2) V_UNSPLIT(o[r][uu], o[r][uu + 1]);
+            for (int uu = 0; uu < NC; uu += per) V_UNSPLIT_GROUP(o[r] + uu);
             for (int uu = 0; uu < NC; ++uu) V_STORE(acc + r * evp + (c + uu) * VW, o[r][uu]);
         }
         return;
@@ -440,6 +441,10 @@ MH_INLINE void FN(few_rows_output)(T *acc, int64_t evp, const T *alpha, const T 
         pf = FN(no_rows);                                                                  \
     } while (0)
     for (; c + NC <= nvv; c += NC) MH_COLS(NC);
+    /* int4 groups wider than NVO vectors: whole groups first (nvv is a
+       multiple of MH_I4_VECS), so that they take the split path */
+    if (MH_I4_SPLIT && NVO < MH_I4_VECS && fmt == MH_STORE_I4 && NC > MH_I4_VECS)
+        for (; c + MH_I4_VECS <= nvv; c += MH_I4_VECS) MH_COLS(MH_I4_VECS);
     if (NC > NVO)
         for (; c + NVO <= nvv; c += NVO) MH_COLS(NVO);
     for (; c < nvv; ++c) MH_COLS(1);
@@ -468,8 +473,11 @@ static void FN(few_rows_mix)(const mh_attn_args *a, int64_t pair, int64_t nq, in
         vr.scale_bytes = 0;
         vr.data_bytes = 0;
     }
-    for (int64_t r0 = 0; r0 < nq; r0 += MH_FEW_ROWS) {
-        const int64_t R = nq - r0 < MH_FEW_ROWS ? nq - r0 : MH_FEW_ROWS;
+    /* (int4 groups wider than NVO vectors: 2 rows at a time, which take whole
+       groups, so each row's columns take the same path whatever the rows) */
+    const int64_t rows = MH_I4_SPLIT && NVO < MH_I4_VECS && fmt == MH_STORE_I4 ? 2 : MH_FEW_ROWS;
+    for (int64_t r0 = 0; r0 < nq; r0 += rows) {
+        const int64_t R = nq - r0 < rows ? nq - r0 : rows;
         T *acc = w->acc + r0 * evp;
         const T *alpha = w->alpha + r0, *p = w->st + r0 * BK;
 #define MH_MIX3(RR, F, S) FN(few_rows_output)(acc, evp, alpha, p, nk, vr, nvv, RR, F, S, pf)
@@ -528,10 +536,10 @@ static void FN(attend_few_rows)(const mh_attn_args *a, int64_t pair, int64_t q0,
                 for (int64_t d = 0; d < MH_I4_GROUP; d += VW) sum = V_ADD(sum, V_LOAD(qg + d));
                 w->kpack[i * MH_I4_MAX_GROUPS + g] = V_HSUM(sum) * ((T)1 / VW);
 #if MH_I4_SPLIT
-                V lo = V_LOAD(qg), hi = V_LOAD(qg + VW); /* the keys' order (FN(u4_row)) */
-                V_SPLIT(lo, hi);
-                V_STORE(qg, lo);
-                V_STORE(qg + VW, hi);
+                V u[MH_I4_VECS]; /* the keys' order (FN(u4_row)) */
+                for (int c = 0; c < MH_I4_VECS; ++c) u[c] = V_LOAD(qg + c * VW);
+                V_SPLIT_GROUP(u);
+                for (int c = 0; c < MH_I4_VECS; ++c) V_STORE(qg + c * VW, u[c]);
 #endif
             }
     for (int64_t i = 0; i < nq * evp; i += VW) V_STORE(acc + i, V_ZERO());

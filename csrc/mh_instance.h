@@ -30,9 +30,12 @@
  *   MH_HAS_I8_LOAD     V_LOAD_I8(p): VW int8 values converted to V
  *   MH_HAS_U4_LOAD     V_LOAD_U4(p): VW 4-bit values from VW/2 bytes (low
  *                      nibble first) converted to V
- *   MH_HAS_U4_SPLIT    (VW = MH_I4_GROUP / 2) V_LOAD_U4_SPLIT(p, lo, hi),
- *                      V_SPLIT(a, b), V_UNSPLIT(a, b): a group of 32 4-bit
- *                      values in split order (see FN(u4_row))
+ *   MH_HAS_U4_SPLIT    V_LOAD_U4_GROUP(p, u): the MH_I4_GROUP / VW vectors
+ *                      u[0..) of a group of 4-bit values (MH_I4_GROUP / 2
+ *                      bytes) in split order: the group's even channels, then
+ *                      its odd ones (see FN(u4_row)); V_SPLIT_GROUP(u),
+ *                      V_UNSPLIT_GROUP(u): a group's vectors from channel
+ *                      order to split order and back
  *   MH_HAS_HALF_STORE  V_STORE_HALF(p, v), V_STORE_BF16(p, v): v rounded to
  *                      VW float16 / bfloat16 values (nearest even, NaN stays
  *                      NaN) stored at p

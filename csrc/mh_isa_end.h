@@ -37,9 +37,9 @@
 #undef V_STORE_HALF
 #undef V_LOAD_I8
 #undef V_LOAD_U4
-#undef V_LOAD_U4_SPLIT
-#undef V_SPLIT
-#undef V_UNSPLIT
+#undef V_LOAD_U4_GROUP
+#undef V_SPLIT_GROUP
+#undef V_UNSPLIT_GROUP
 #undef S_HALF_TO_FLOAT
 #undef S4_HALF_TO_FLOAT
 #undef V_DPBF16
