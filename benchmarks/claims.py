@@ -35,7 +35,7 @@ CLAIMS: tuple[ClaimSpec, ...] = (
                             "tokens", 1.3),
     ClaimSpec("module_prefill", "module prefill (B=8, T=1024, d=768, 12 heads) ≥ 1.2× torch's "
                                 "layer", 1.2),
-    ClaimSpec("tiny_sdpa", "tiny SDPA (12 heads × 1 query × 16 keys) no slower than torch", 1.0),
+    ClaimSpec("tiny_sdpa", "tiny SDPA (12 heads × 1 query × 16 keys) ≥ 1.5× torch", 1.5),
     ClaimSpec("openblas", "layer decode step within 1.2× of its time in the run with "
                           "OPENBLAS_NUM_THREADS=1", 1.2, ceiling=True),
     ClaimSpec("smollm2_attention", "SmolLM2-135M-shaped model, prefill T=4096: time inside "

@@ -227,3 +227,71 @@ def test_misaligned_buffers_are_copied_before_the_kernels_read_them(rng):
     assert ready.flags.aligned and ready.flags.c_contiguous
     out = mh.scaled_dot_product_attention(q, q, q, is_causal=True)
     np.testing.assert_allclose(out, reference(q, q, q, is_causal=True), rtol=0, atol=1e-5)
+
+
+def _general(q, k, v, *, causal=False, scale=None, num_threads=TWO_THREADS):
+    """The general path's result for a plain call (the Python layout work included)."""
+    from manyheads import _core
+    s = 1.0 / np.sqrt(q.shape[-1]) if scale is None else scale
+    return _core.attention(q, k, v, scale=float(s), causal_offset=0 if causal else None,
+                           num_threads=num_threads)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(1, 12, 1, 16, 64), (2, 3, 5, 40, 24), (1, 2, 70, 30, 8)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_plain_calls_take_the_cython_path_with_the_general_paths_bits(rng, dtype, shape,
+                                                                       causal):
+    """A plain call (contiguous arrays of one float type and batch shape, no mask, weights,
+    dropout or features) is planned and run by _kernels.attend_plain: the same plan and
+    bits as the general path, the oracle's result, for batched, 3-D and 2-D arrays."""
+    B, H, L, S, E = shape
+    q, k, v = (normal(rng, (B, H, n, E), dtype) for n in (L, S, S))
+    v = np.ascontiguousarray(v[..., : E - 2]) if E > 8 else v   # a narrower value width
+    for lead in ((), (0,), (0, 0)):
+        qq, kk, vv = q[lead], k[lead], v[lead]
+        direct = _kernels.attend_plain(qq, kk, vv, None, causal, TWO_THREADS, False)
+        assert direct is not None and direct.dtype == dtype
+        out = mh.scaled_dot_product_attention(qq, kk, vv, is_causal=causal,
+                                              num_threads=TWO_THREADS)
+        np.testing.assert_array_equal(out, direct)
+        np.testing.assert_array_equal(out, _general(qq, kk, vv, causal=causal))
+        np.testing.assert_allclose(out, reference(qq, kk, vv, is_causal=causal), rtol=0,
+                                   atol=atol_for(dtype))
+    scaled = mh.scaled_dot_product_attention(q, k, v, scale=0.3, is_causal=causal)
+    np.testing.assert_array_equal(scaled, _general(q, k, v, causal=causal, scale=0.3))
+
+
+def test_calls_that_are_not_plain_take_the_general_path_and_its_checks(rng):
+    """attend_plain declines (None) what it does not take, and those calls still give the
+    oracle's result or the general path's error."""
+    q, k, v = qkv(rng, 2, 3, 4, 9, 16, dtype=np.float32)
+    t = np.ascontiguousarray(k.transpose(0, 1, 3, 2))
+    declined = [
+        (q, k.astype(np.float64), v, None),            # mixed types
+        (q, t.transpose(0, 1, 3, 2), v, None),         # a strided view
+        (q[:1], k, v, None),                           # broadcast batch
+        (q.astype(np.float16), k.astype(np.float16), v.astype(np.float16), None),
+        (q, k, v, np.float32(0.5)),                    # a scale that is not a float
+        (q, k, v, float("nan")),
+        (q, k[..., :0, :], v[..., :0, :], None),       # no keys
+        (q.tolist(), k, v, None),
+    ]
+    for a, b, c, s in declined:
+        assert _kernels.attend_plain(a, b, c, s, False, 1, False) is None
+    out = mh.scaled_dot_product_attention(q[:1], k, v)
+    np.testing.assert_allclose(out, reference(np.broadcast_to(q[:1], q.shape), k, v),
+                               rtol=0, atol=atol_for(np.float32))
+    out = mh.scaled_dot_product_attention(q, t.transpose(0, 1, 3, 2), v, scale=np.float32(0.5))
+    np.testing.assert_allclose(out, reference(q, k, v, scale=0.5), rtol=0,
+                               atol=atol_for(np.float32))
+    with pytest.raises(TypeError, match="share one dtype"):
+        mh.scaled_dot_product_attention(q, k.astype(np.float64), v)
+    with pytest.raises(ValueError, match="scale must be finite"):
+        mh.scaled_dot_product_attention(q, k, v, scale=float("nan"))
+    with pytest.raises(ValueError, match="same last dimension"):
+        mh.scaled_dot_product_attention(q, k[..., :8], v)
+    with pytest.raises(TypeError, match="is_causal must be a bool"):
+        mh.scaled_dot_product_attention(q, k, v, is_causal=1)
+    with pytest.raises(TypeError, match="num_threads"):
+        mh.scaled_dot_product_attention(q, k, v, num_threads=1.5)

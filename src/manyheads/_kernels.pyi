@@ -118,6 +118,10 @@ class AttentionCall:
         """Run the plan's work items on its threads (``check_signals``: stop and raise
         on Ctrl-C)."""
 
+def attend_plain(query: object, key: object, value: object, scale: object, causal: bool,
+                 threads: int, check_signals: bool) -> np.ndarray | None:
+    """A plain attention call's output, or None when it is not the simplest case."""
+
 def rms_norm_rows(x: npt.NDArray[np.float32], weight: npt.NDArray[np.float32], eps: float,
                   out: npt.NDArray[np.float32]) -> None:
     """out = x / sqrt(mean(x**2, -1) + eps) * weight, row by row."""

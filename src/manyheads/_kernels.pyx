@@ -14,6 +14,7 @@ checked everything before it builds a call.  The C declarations are in
 from cython.parallel cimport parallel, prange, threadid
 from libc.stdint cimport int8_t, int64_t, uint8_t, uint16_t, uint64_t, uintptr_t
 from libc.stdlib cimport calloc, free, malloc
+from libc.math cimport isfinite, sqrt
 from libc.string cimport memset
 
 cimport numpy as cnp
@@ -754,6 +755,69 @@ cdef class AttentionCall:
         finally:
             free(raw)
 
+
+
+def attend_plain(object query, object key, object value, object scale, bint causal,
+                 int threads, bint check_signals):
+    """The output of a plain attention call (no mask, dropout, grouped heads, score
+    features, weights or log-sum-exp), or None when the call is not the simplest case
+    this takes: C-contiguous aligned float32 or float64 arrays of one type and the same
+    batch shape (..., L|S, E|Ev), every size at least 1, ``scale`` None or a finite
+    float.  The general path (``_core.attention``) takes everything else, and gives
+    these calls the same plan and the same bits; this one only leaves out its Python
+    layout work, most of a small call's time."""
+    cdef cnp.ndarray q, k, v, out
+    cdef int nd, typenum, i
+    cdef cnp.npy_intp *qd
+    cdef cnp.npy_intp *kd
+    cdef cnp.npy_intp *vd
+    cdef cnp.npy_intp dims[32]
+    cdef int64_t pairs = 1
+    cdef double s
+    if type(query) is not np.ndarray or type(key) is not np.ndarray or \
+            type(value) is not np.ndarray:
+        return None
+    q, k, v = query, key, value
+    nd = cnp.PyArray_NDIM(q)
+    typenum = cnp.PyArray_TYPE(q)
+    if nd < 2 or nd > 32 or cnp.PyArray_NDIM(k) != nd or cnp.PyArray_NDIM(v) != nd or \
+            (typenum != cnp.NPY_FLOAT32 and typenum != cnp.NPY_FLOAT64) or \
+            cnp.PyArray_TYPE(k) != typenum or cnp.PyArray_TYPE(v) != typenum:
+        return None
+    for arr in (q, k, v):
+        if not (cnp.PyArray_IS_C_CONTIGUOUS(arr) and cnp.PyArray_ISALIGNED(arr)) or \
+                not cnp.PyArray_ISNOTSWAPPED(arr):
+            return None
+    qd, kd, vd = cnp.PyArray_DIMS(q), cnp.PyArray_DIMS(k), cnp.PyArray_DIMS(v)
+    for i in range(nd - 2):
+        if qd[i] != kd[i] or qd[i] != vd[i]:
+            return None
+        pairs *= qd[i]
+        dims[i] = qd[i]
+    if pairs == 0 or qd[nd - 2] == 0 or qd[nd - 1] == 0 or kd[nd - 2] == 0 or \
+            vd[nd - 1] == 0 or kd[nd - 1] != qd[nd - 1] or vd[nd - 2] != kd[nd - 2]:
+        return None
+    if scale is None:
+        s = 1.0 / sqrt(<double>qd[nd - 1])
+    elif type(scale) is float and isfinite(<double>scale):
+        s = scale
+    else:
+        return None
+    call = AttentionCall(typenum == cnp.NPY_FLOAT64,
+                         (pairs, qd[nd - 2], kd[nd - 2], qd[nd - 1], vd[nd - 1]),
+                         (<int>MH_STORE_F64,) * 3 if typenum == cnp.NPY_FLOAT64 else
+                         (<int>MH_STORE_F32,) * 3, (k, v), 1, 0, False, False, -1, threads)
+    dims[nd - 2] = qd[nd - 2]
+    dims[nd - 1] = vd[nd - 1]
+    out = cnp.PyArray_EMPTY(nd, dims, typenum, 0)
+    call.set_query(q, nd - 2)
+    call.set_keys_values(k, v, nd - 2)
+    call.set_output(out, nd - 2)
+    if causal:
+        call.set_causal(0, 0)
+    call.set_scale(s)
+    call.run(check_signals)
+    return out
 
 # ---- the small per-token steps of a decoder (one pass each, no temporaries) ------------------
 

@@ -11,7 +11,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from . import _config, _core
+from . import _config, _core, _kernels
 from ._core import CallPlan, ItemPlan
 from .weights import Int8Weight, weight_format
 from ._validate import (ATTENTION_DTYPES_TEXT, FLOAT_DTYPES,
@@ -21,6 +21,8 @@ from ._validate import (ATTENTION_DTYPES_TEXT, FLOAT_DTYPES,
 
 __all__ = ["scaled_dot_product_attention", "merge_attention", "explain", "CallPlan", "ItemPlan",
            "linear", "SUPPORTED_DTYPES"]
+
+_NUMBERS = (float, int)  # dropout_p's exact classes the plainest call takes
 
 SUPPORTED_DTYPES = FLOAT_DTYPES
 
@@ -150,6 +152,18 @@ def scaled_dot_product_attention(
     A query row with every key masked gives zeros (and zero weights), never
     NaN.  Results are identical for every thread count on one kernel path.
     """
+    if attn_mask is None and enable_gqa is False and return_weights is False and \
+            return_lse is False and softcap is None and sinks is None and \
+            alibi_slopes is None and (is_causal is False or is_causal is True) and \
+            dropout_p.__class__ in _NUMBERS and dropout_p == 0:
+        # the plainest call (contiguous arrays of one float type and batch shape): planned
+        # and run in Cython, without the layout work below (most of a small call's time);
+        # None for anything else, which the general path takes
+        res = _kernels.attend_plain(query, key, value, scale, is_causal,
+                                    _config.resolve_num_threads(num_threads),
+                                    _core._on_main_thread())
+        if res is not None:
+            return res
     q, k, v, mask, p, causal, s, gqa, rw, nt, half = _checked(
         query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_weights,
         num_threads)
