@@ -1,4 +1,6 @@
 """Half-precision inputs and low-precision KV caches (float16, bfloat16, int8, int4)."""
+import re
+
 import numpy as np
 import pytest
 
@@ -340,3 +342,25 @@ def test_a_cache_allocates_what_the_storage_table_says(name):
     # (scale, min) pair of float16 per 32 channels
     assert fmt.row_bytes(32) == {"float32": 128, "float16": 64, "bfloat16": 64, "int8": 36,
                                  "int4": 20}[name]
+
+
+@pytest.mark.parametrize("window", [None, 4])
+def test_a_float16_cache_refuses_finite_values_beyond_its_range(rng, window):
+    """A finite key or value past 65504 would be stored as inf and turn every score (or
+    the output) into NaN: a ValueError naming it, before anything is stored; inf given as
+    such is stored as it is, as the other formats take it."""
+    cache = mh.KVCache(1, 16, 2, 32, np.float16, window=window)
+    x = normal(rng, (1, 2, 6, 32), np.float32)
+    cache.attend(x, x, x)                          # (past the window: the ring's path)
+    before = cache.keys.copy()
+    for name, big in (("key", 7e4), ("value", -1e6)):
+        k, v = (normal(rng, (1, 2, 3, 32), np.float32) for _ in range(2))
+        (k if name == "key" else v)[0, 1, 2, 5] = big
+        with pytest.raises(ValueError, match=re.escape(f"new {name} has magnitude {abs(big):g}")):
+            cache.attend(k, k, v)
+        assert len(cache) == 6 and np.array_equal(cache.keys, before)
+    k = normal(rng, (1, 2, 1, 32), np.float32)
+    v = k.copy()
+    v[0, 0, 0, 3] = np.inf
+    out = cache.attend(k, k, v)
+    assert len(cache) == 7 and np.isinf(out[0, 0, 0, 3]) and np.isfinite(out[0, 1]).all()

@@ -311,14 +311,30 @@ class KVCache:
                                num_threads=nt, return_weights=rw, features=features)
 
     # -- storage -------------------------------------------------------------------------
+    def _converted(self, k: np.ndarray, v: np.ndarray
+                   ) -> tuple[tuple[np.ndarray, np.ndarray | None], ...]:
+        """(stored, scales) of new keys and values in the cache's format (``quantize``);
+        ValueError, before anything is stored, where a finite value is beyond float16's
+        range (it would be stored as inf, and every score against it would be NaN)."""
+        if k.dtype == self.keys.dtype:  # float32/float64 caches: no conversion
+            return (k, None), (v, None)
+        if self.format != "float16":
+            return quantize(k, self.format), quantize(v, self.format)
+        try:
+            with np.errstate(over="raise"):  # (a cast that overflows sets the flag)
+                return quantize(k, self.format), quantize(v, self.format)
+        except FloatingPointError:
+            big = max((float(np.nanmax(np.abs(np.where(np.isinf(x), 0, x)))), name)
+                      for name, x in (("key", k), ("value", v)))
+            raise ValueError(
+                f"a float16 cache holds values up to 65504 in magnitude, and a new {big[1]} has "
+                f"magnitude {big[0]:.6g}; use a bfloat16, int8 or float32 cache") from None
+
     def _store(self, heads: slice, slots: Any, k: np.ndarray, v: np.ndarray) -> None:
         """Quantise (B, h, n, D) keys and values into the slots of kv heads ``heads``."""
-        for data, scales, x in ((self.keys, self.key_scales, k), (self.values,
-                                                                     self.value_scales, v)):
-            if x.dtype == data.dtype:  # float32/float64 caches: no conversion
-                data[:, heads, slots] = x
-                continue
-            stored, s = quantize(x, self.format)
+        for data, scales, (stored, s) in zip((self.keys, self.values),
+                                             (self.key_scales, self.value_scales),
+                                             self._converted(k, v)):
             data[:, heads, slots] = stored
             if scales is not None:
                 scales[:, heads, slots] = s
@@ -485,8 +501,7 @@ class CacheStep:
         # several new tokens past the window: lay the old window out in order, then attend
         n_old = min(past, cap - 1)
         old = np.arange(past - n_old, past) % cap
-        new_k, new_ks = quantize(k_new, c.format)
-        new_v, new_vs = quantize(v_new, c.format)
+        (new_k, new_ks), (new_v, new_vs) = c._converted(k_new, v_new)
         st = _Stored(*(None if a is None or b is None else np.concatenate([a, b], axis=2)
                        for a, b in zip(c._stored(heads, old), (new_k, new_v, new_ks, new_vs))))
         Pc = np.concatenate([c.padding[:, old], np.zeros((c.padding.shape[0], T), bool)
