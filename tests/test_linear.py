@@ -246,3 +246,18 @@ t.start(); t.join()
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=300)
     assert res.returncode == 0 and res.stdout.strip() == "ok", res.stderr[-2000:]
+
+
+def test_join_columns_widens_mixed_float_formats_and_refuses_int8_with_floats(rng):
+    from manyheads.weights import join_columns
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    a = rng.standard_normal((6, 3)).astype(ml_dtypes.bfloat16)
+    b = rng.standard_normal((6, 2)).astype(np.float16)
+    joined = join_columns([a, b])
+    assert joined.dtype == np.float32
+    np.testing.assert_array_equal(joined, np.concatenate([a.astype(np.float32),
+                                                          b.astype(np.float32)], axis=1))
+    assert join_columns([a, a]).dtype == ml_dtypes.bfloat16
+    assert join_columns([b, np.ones((6, 1))]).dtype == np.float64
+    with pytest.raises(TypeError, match="int8"):
+        join_columns([mh.Int8Weight.quantize(rng.standard_normal((6, 3))), b])

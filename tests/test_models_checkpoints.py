@@ -256,3 +256,24 @@ def test_int8_from_a_bfloat16_checkpoint(tmp_path):
     ref = from_pretrained(folder).logits([[1, 2, 3, 4]])
     got = model.logits([[1, 2, 3, 4]])
     assert 0 < np.abs(got - ref).max() <= 0.25 * np.abs(ref).max()
+
+
+def test_auto_joins_projections_saved_in_different_precisions(tmp_path):
+    """A checkpoint whose k projection was saved in float32 beside bfloat16 q and v loads
+    with weight_dtype="auto": the fused qkv weight is float32 (holding each exactly), the
+    rest keeps the file's bfloat16, and the logits are those of a float32 load."""
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    from safetensors.numpy import load_file, save_file
+    folder = save_random_checkpoint(tmp_path / "mixed", "llama", dtype=ml_dtypes.bfloat16)
+    name = next(n for n in os.listdir(folder) if n.endswith(".safetensors"))
+    tensors = load_file(os.path.join(folder, name))
+    for key in [k for k in tensors if "k_proj" in k]:
+        tensors[key] = tensors[key].astype(np.float32)
+    save_file(tensors, os.path.join(folder, name))
+    model = from_pretrained(folder, weight_dtype="auto")
+    block = model.blocks[0]
+    assert block.attn.W_qkv.dtype == np.float32
+    assert block.w_gate_up.dtype == block.w_down.dtype == ml_dtypes.bfloat16
+    ids = [[1, 2, 3, 4, 5]]
+    ref = from_pretrained(folder, weight_dtype="float32").logits(ids)
+    np.testing.assert_allclose(model.logits(ids), ref, rtol=0, atol=1e-5 * np.abs(ref).max())

@@ -152,15 +152,22 @@ def convert_weight(w: Any, dtype: str, group_size: int | None = None) -> Any:
 
 
 def join_columns(parts: list[Any]) -> Any:
-    """Weights (k, n_i) of one storage side by side: (k, sum n_i), as stored."""
+    """Weights (k, n_i) side by side: (k, sum n_i), as stored.  Float weights of
+    different formats (a checkpoint whose q, k and v were saved in different
+    precisions, read in their own) are joined as float32 (float64 if one is), which
+    holds each exactly."""
     if all(isinstance(p, Int8Weight) for p in parts):
         groups = {p.group_size for p in parts}
         if len(groups) != 1:
             raise ValueError("int8 weights joined side by side need one group size")
         return Int8Weight(np.concatenate([p.data for p in parts], axis=1),
                           np.concatenate([p.scales for p in parts], axis=1), groups.pop())
-    if len({weight_format(p) for p in parts}) != 1:
-        raise TypeError("weights joined side by side must share one storage format")
+    formats = {weight_format(p) for p in parts}
+    if "int8" in formats and len(formats) > 1:
+        raise TypeError("int8 weights can only be joined side by side with int8 weights")
+    if len(formats) > 1:
+        wide = np.float64 if "float64" in formats else np.float32
+        parts = [np.asarray(p, dtype=wide) for p in parts]
     return np.concatenate(parts, axis=1)
 
 
