@@ -167,3 +167,45 @@ def test_templates_render_as_transformers_renders_them(chat_dir, tmp_path, gener
                                               add_generation_prompt=generation_prompt)
     with pytest.raises(ValueError, match="unknown role tool"):
         render_chat(RICH, [{"role": "tool", "content": "x"}], eos_token=".")
+
+
+def test_settings_not_given_as_flags_come_from_generation_config(chat_dir, tmp_path):
+    """As transformers' generate: the checkpoint's generation_config.json, then
+    transformers' defaults (top_k 50), fill in what no flag gives; stderr says which."""
+    folder = str(tmp_path / "gen")
+    shutil.copytree(chat_dir, folder)
+    with open(os.path.join(folder, "generation_config.json"), "w") as f:
+        json.dump({"temperature": 0.7, "top_p": 0.85, "repetition_penalty": 1.05,
+                   "eos_token_id": 0}, f)
+    tok = tokenizers.Tokenizer.from_file(os.path.join(folder, "tokenizer.json"))
+    ids = tok.encode("the cat sat").ids
+    model = from_pretrained(folder)
+    run = ("generate", "--model", folder, "--prompt", "the cat sat", "--max-new-tokens", "12",
+           "--ignore-eos")
+    res = cli(*run, "--do-sample", "--seed", "3")
+    assert res.returncode == 0, res.stderr
+    new = model.generate(np.array([ids]), 12, do_sample=True, seed=3, temperature=0.7,
+                         top_k=50, top_p=0.85, repetition_penalty=1.05)[0].tolist()
+    assert res.stdout == tok.decode(ids + new) + "\n"
+    assert ("sampling: temperature 0.7 (generation_config.json), top_k 50 (transformers' "
+            "default), top_p 0.85 (generation_config.json), repetition_penalty 1.05 "
+            "(generation_config.json)") in res.stderr
+    res = cli(*run, "--do-sample", "--seed", "3", "--temperature", "1.3", "--top-k", "7")
+    new = model.generate(np.array([ids]), 12, do_sample=True, seed=3, temperature=1.3,
+                         top_k=7, top_p=0.85, repetition_penalty=1.05)[0].tolist()
+    assert res.returncode == 0 and res.stdout == tok.decode(ids + new) + "\n"
+    assert "temperature 1.3 (flag), top_k 7 (flag)" in res.stderr
+    res = cli(*run)  # greedy: the file's repetition penalty still applies
+    new = model.generate(np.array([ids]), 12, repetition_penalty=1.05)[0].tolist()
+    assert res.returncode == 0 and res.stdout == tok.decode(ids + new) + "\n"
+    assert "sampling:" not in res.stderr
+    with open(os.path.join(folder, "generation_config.json"), "w") as f:
+        json.dump({"temperature": 0.0, "top_k": 0}, f)
+    res = cli(*run, "--do-sample")
+    assert res.returncode == 2 and "temperature must be > 0" in res.stderr
+    assert "generation_config.json" in res.stderr
+    res = cli(*run, "--do-sample", "--seed", "3", "--temperature", "0.5")  # top_k 0: off
+    new = model.generate(np.array([ids]), 12, do_sample=True, seed=3, temperature=0.5
+                         )[0].tolist()
+    assert res.returncode == 0 and res.stdout == tok.decode(ids + new) + "\n"
+    assert "top_k" not in res.stderr

@@ -304,8 +304,20 @@ SAMPLING_FLAGS = {"temperature": "--temperature", "top_k": "--top-k", "top_p": "
                   "min_p": "--min-p", "seed": "--seed"}
 
 
-def _sampling_kwargs(args: argparse.Namespace, model: Any, tok: Any) -> dict[str, Any]:
-    """generate's sampling and stop arguments from the flags, checked (ValueError)."""
+# what transformers' generate takes when neither the call nor generation_config.json
+# says (its GenerationConfig's defaults); top_k 0 there turns the filter off
+HF_SAMPLING_DEFAULTS: dict[str, Any] = {"temperature": 1.0, "top_k": 50, "top_p": None,
+                                        "min_p": None}
+
+
+def _sampling_kwargs(args: argparse.Namespace, model: Any, tok: Any,
+                     folder: str) -> dict[str, Any]:
+    """generate's sampling and stop arguments, checked (ValueError): the flags, then, as
+    transformers' generate takes them, the checkpoint's generation_config.json and
+    transformers' defaults (the repetition penalty applies greedy or not; the
+    sampling settings with --do-sample).  With --do-sample, the settings and where
+    each came from go to stderr."""
+    from manyheads.models._checkpoint import read_json
     from manyheads.models._sampling import check_sampling, check_stop
 
     given = [flag for name, flag in SAMPLING_FLAGS.items() if getattr(args, name) is not None]
@@ -313,8 +325,35 @@ def _sampling_kwargs(args: argparse.Namespace, model: Any, tok: Any) -> dict[str
         raise ValueError(f"{', '.join(given)} apply to sampling: add --do-sample")
     kw: dict[str, Any] = {name: getattr(args, name) for name in SAMPLING_FLAGS
                           if getattr(args, name) is not None}
-    kw.update(do_sample=args.do_sample, repetition_penalty=args.repetition_penalty)
-    check_sampling(**{k: v for k, v in kw.items() if k != "seed"})
+    gen = read_json(folder, "generation_config.json")
+    source = {name: "flag" for name in kw}
+    if args.repetition_penalty is not None:
+        kw["repetition_penalty"], source["repetition_penalty"] = args.repetition_penalty, "flag"
+    elif gen.get("repetition_penalty") is not None:
+        kw["repetition_penalty"] = gen["repetition_penalty"]
+        source["repetition_penalty"] = "generation_config.json"
+    if args.do_sample:
+        for name, default in HF_SAMPLING_DEFAULTS.items():
+            if name in kw:
+                continue
+            value, where = (gen[name], "generation_config.json") if gen.get(name) is not None \
+                else (default, "transformers' default")
+            if value is not None and not (name == "top_k" and value == 0):
+                kw[name], source[name] = value, where
+    try:
+        check_sampling(do_sample=args.do_sample, **{k: v for k, v in kw.items() if k != "seed"})
+    except ValueError as exc:
+        bad = [n for n in kw if source.get(n) == "generation_config.json" and n in str(exc)]
+        if not bad:
+            raise
+        raise ValueError(f"{exc} (from the checkpoint's generation_config.json; a flag "
+                         f"overrides it)") from None
+    kw["do_sample"] = args.do_sample
+    if args.do_sample:
+        shown = ", ".join(f"{n} {kw[n]} ({source[n]})" for n in
+                          ("temperature", "top_k", "top_p", "min_p", "repetition_penalty")
+                          if n in kw)
+        print(f"sampling: {shown or 'the plain distribution'}", file=sys.stderr)
     if args.stop:
         # strings with a tokenizer; a checkpoint without one stops at token ids
         stop: list[Any] = list(args.stop)
@@ -365,12 +404,12 @@ class _Stream:
 def cmd_generate(args: argparse.Namespace) -> int:
     try:
         t0 = time.perf_counter()
-        model, tok, _ = _load_checkpoint(args.model, args.revision, args.weight_dtype)
+        model, tok, folder = _load_checkpoint(args.model, args.revision, args.weight_dtype)
         load_s = time.perf_counter() - t0
         ids = _encode(tok, args.prompt)
         n = args.max_new_tokens
         _check_prompt(model, ids, n)  # before anything is printed
-        kw = _sampling_kwargs(args, model, tok)
+        kw = _sampling_kwargs(args, model, tok, folder)
         # the storage name goes to KVCache as it is; it checks it and names what it accepts
         caches = model.new_caches(1, len(ids) + n, args.cache_dtype) if n else []
     except (OSError, ValueError, TypeError, ImportError) as exc:
@@ -420,7 +459,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
         template = chat_template(folder)
         specials = special_tokens(folder)
         ends = end_token_ids(folder, model.eos_token_id, tok)
-        kw = _sampling_kwargs(args, model, tok)
+        kw = _sampling_kwargs(args, model, tok, folder)
         if args.max_new_tokens < 1:
             raise ValueError(f"--max-new-tokens must be 1 or more, got {args.max_new_tokens}")
         messages: list[dict[str, str]] = []
@@ -612,7 +651,10 @@ def _add_model_flags(p: argparse.ArgumentParser, max_new_tokens: int) -> None:
                    choices=WEIGHT_DTYPES + ("auto",),
                    help="how the weights are held: auto keeps the file's precision; int8 "
                         "quantises per output column at load (default: %(default)s)")
-    s = p.add_argument_group("sampling (transformers' meanings and order; default: greedy)")
+    s = p.add_argument_group(
+        "sampling (transformers' meanings and order; default: greedy). A setting not given "
+        "as a flag comes from the checkpoint's generation_config.json, else transformers' "
+        "default (with --do-sample: temperature 1, top-k 50)")
     s.add_argument("--do-sample", action="store_true",
                    help="draw each token from the processed distribution")
     s.add_argument("--temperature", type=float, help="divide the logits by it (> 0)")
@@ -622,8 +664,9 @@ def _add_model_flags(p: argparse.ArgumentParser, max_new_tokens: int) -> None:
     s.add_argument("--min-p", type=float,
                    help="drop tokens below this fraction of the top probability")
     s.add_argument("--seed", type=int, help="seed of the draws (the same seed, the same text)")
-    s.add_argument("--repetition-penalty", type=float, default=1.0,
-                   help="penalise the tokens already seen, greedy or not (default: 1.0, none)")
+    s.add_argument("--repetition-penalty", type=float,
+                   help="penalise the tokens already seen, greedy or not (default: "
+                        "generation_config.json's, else 1.0, none)")
     s.add_argument("--stop", action="append", metavar="TEXT",
                    help="stop once the generated text contains TEXT (a token id without "
                         "tokenizer.json); may be repeated")
