@@ -756,7 +756,6 @@ cdef class AttentionCall:
             free(raw)
 
 
-
 def attend_plain(object query, object key, object value, object scale, bint causal,
                  int threads, bint check_signals):
     """The output of a plain attention call (no mask, dropout, grouped heads, score
@@ -818,6 +817,7 @@ def attend_plain(object query, object key, object value, object scale, bint caus
     call.set_scale(s)
     call.run(check_signals)
     return out
+
 
 # ---- the small per-token steps of a decoder (one pass each, no temporaries) ------------------
 

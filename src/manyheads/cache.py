@@ -324,7 +324,7 @@ class KVCache:
             with np.errstate(over="raise"):  # (a cast that overflows sets the flag)
                 return quantize(k, self.format), quantize(v, self.format)
         except FloatingPointError:
-            big = max((float(np.nanmax(np.abs(np.where(np.isinf(x), 0, x)))), name)
+            big = max((float(np.max(np.abs(x[np.isfinite(x)]), initial=0.0)), name)
                       for name, x in (("key", k), ("value", v)))
             raise ValueError(
                 f"a float16 cache holds values up to 65504 in magnitude, and a new {big[1]} has "
