@@ -277,3 +277,37 @@ def test_auto_joins_projections_saved_in_different_precisions(tmp_path):
     ids = [[1, 2, 3, 4, 5]]
     ref = from_pretrained(folder, weight_dtype="float32").logits(ids)
     np.testing.assert_allclose(model.logits(ids), ref, rtol=0, atol=1e-5 * np.abs(ref).max())
+
+
+LOAD_PEAK = """
+import sys, numpy as np
+from manyheads.models import from_pretrained
+
+def status(key):
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(key))
+
+from_pretrained(sys.argv[2], weight_dtype=sys.argv[3]).generate(np.arange(4), 2)  # imports
+before = status("VmRSS")
+model = from_pretrained(sys.argv[1], weight_dtype=sys.argv[3])
+print((status("VmHWM") - before) / model.nbytes)
+"""
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads /proc (Linux)")
+@pytest.mark.parametrize("weight_dtype", ["float32", "bfloat16", "int8"])
+def test_loading_adds_little_beyond_the_weights_at_its_peak(tmp_path, weight_dtype):
+    """A float32 checkpoint of 60 MB, loaded in a fresh process (its imports done on a tiny
+    one first): the process's peak resident memory grows by at most 1.15 times the
+    weights in their final format (model.nbytes), as the file is read a slice at a time."""
+    if weight_dtype == "bfloat16":
+        pytest.importorskip("ml_dtypes")
+    big = save_random_checkpoint(tmp_path / "big", "llama", hidden_size=384,
+                                 intermediate_size=1536, num_hidden_layers=6,
+                                 num_attention_heads=6, num_key_value_heads=2,
+                                 vocab_size=16000)
+    tiny = save_random_checkpoint(tmp_path / "tiny", "llama")
+    res = subprocess.run([sys.executable, "-c", LOAD_PEAK, big, tiny, weight_dtype],
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr
+    assert float(res.stdout) <= 1.15, res.stdout

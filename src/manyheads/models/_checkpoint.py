@@ -104,7 +104,9 @@ def config_float(cfg: dict[str, Any], *names: str, default: float | None = None)
 
 
 WEIGHT_DTYPES = weights.WEIGHT_DTYPES + ("auto",)  # and "auto": the tensor's own
-_ROWS_PER_READ = 4096  # rows of a weight read, converted and placed at a time
+# bytes of a weight read, converted and placed at a time (whole rows, at least 16): the
+# conversion's temporaries stay small, and so does what the allocator keeps of them
+_READ_BYTES = 1 << 18
 # safetensors dtype codes of float tensors -> NumPy dtypes (and those ml_dtypes provides)
 _NUMPY_DTYPES = {"F64": "<f8", "F32": "<f4", "F16": "<f2"}
 _ML_DTYPES = {"BF16": "bfloat16", "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2"}
@@ -172,8 +174,9 @@ class TensorSource:
             scales = np.empty((1, d_out), np.float32)
         else:
             out = np.empty((d_in, d_out), _formats.FORMATS[target].dtype)
-        for start in range(0, d_out, _ROWS_PER_READ):
-            cols = slice(start, min(start + _ROWS_PER_READ, d_out))
+        rows = max(16, _READ_BYTES // max(1, d_in * first.dtype.itemsize))
+        for start in range(0, d_out, rows):
+            cols = slice(start, min(start + rows, d_out))
             block = self._rows(name, cols.start, cols.stop).T
             if target == "int8":
                 q = Int8Weight.quantize(block)
