@@ -51,3 +51,36 @@ def test_cache_attend_refuses_to_overflow_and_to_mix_dtypes():
         cache.attend(x[:, :, :2].astype(np.float64), x[:, :, :2].astype(np.float64),
                      x[:, :, :2].astype(np.float64))
     assert len(cache) == 0
+
+
+@pytest.mark.parametrize("fmt, window", [(np.float32, None), (np.float32, 6), (np.float64, None),
+                                         (np.float16, None), ("int8", 6), ("int4", None)])
+def test_one_token_steps_take_the_lean_path_with_the_general_paths_bits(rng, monkeypatch,
+                                                                       fmt, window):
+    """A one-token step without padding, weights or features other than a soft cap goes
+    through the modules' lean decoding step: the same bits as the general step (reached
+    here with an all-False padding mask), grouped heads and a wrapped ring included."""
+    taken = []
+    lean_step = mh.KVCache._decode_attend
+
+    def spy(self, *args, **kw):
+        taken.append(lean_step(self, *args, **kw))
+        return taken[-1]
+
+    monkeypatch.setattr(mh.KVCache, "_decode_attend", spy)
+    dt = np.float64 if fmt is np.float64 else np.float32
+    lean = mh.KVCache(2, 24, 2, 32, fmt, window=window)
+    x = normal(rng, (2, 2, 5, 32), dt)
+    lean.attend(x, x, x)
+    general = lean.copy()
+    for step in range(8):
+        q = normal(rng, (2, 6, 1, 32), dt)
+        k, v = (normal(rng, (2, 2, 1, 32), dt) for _ in range(2))
+        cap = dict(softcap=3.0) if step % 2 else {}
+        got = lean.attend(q, k, v, **cap)
+        want = general.attend(q, k, v, key_padding_mask=np.zeros((2, 1), bool), **cap)
+        assert got.dtype == dt and got.shape == (2, 6, 1, 32)
+        np.testing.assert_array_equal(got, want)
+        assert len(lean) == len(general) == 6 + step
+    np.testing.assert_array_equal(lean.keys, general.keys)
+    assert taken == [True] * 8

@@ -306,9 +306,19 @@ class KVCache:
         if self._len + T > self.max_len:
             raise ValueError(f"cache is full: {self._len} tokens + {T} new > "
                              f"max_len={self.max_len}")
+        scale_ = 1.0 / math.sqrt(D) if s is None else s
+        if T == 1 and pad is None and not rw and (features is None or (
+                features[1] is None and features[2] is None and not features[3])):
+            # one token, no padding, no weights and no score feature but a soft cap: the
+            # modules' lean decoding step (the same bits, less layout work per call);
+            # False with nothing changed when the cache holds padding
+            out = np.empty(q.shape, q.dtype)
+            if self._decode_attend(q, k, v, scale=scale_, softcap=None if features is None
+                                   else features[0], num_threads=nt, out=out):
+                return out
         with self.step(T, pad) as step:
-            return step.attend(q, k, v, scale=1.0 / math.sqrt(D) if s is None else s,
-                               num_threads=nt, return_weights=rw, features=features)
+            return step.attend(q, k, v, scale=scale_, num_threads=nt, return_weights=rw,
+                               features=features)
 
     # -- storage -------------------------------------------------------------------------
     def _converted(self, k: np.ndarray, v: np.ndarray
