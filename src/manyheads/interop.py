@@ -10,7 +10,14 @@ Supported sources, recognised by their structure:
 * the book's ``MultiHeadAttentionWrapper``: a ``heads`` ModuleList of
   single-head modules with ``W_query``, ``W_key``, ``W_value`` (each head's
   ``d_out`` is per head) and no output projection;
-* Hugging Face transformers' GPT-2 attention (``c_attn``/``c_proj`` Conv1D).
+* Hugging Face transformers' GPT-2 attention (``c_attn``/``c_proj`` Conv1D);
+* Hugging Face transformers' decoder attention with ``q_proj``, ``k_proj``,
+  ``v_proj`` and ``o_proj`` (Llama, Mistral, Qwen2, Gemma 2, gpt-oss and the
+  like): grouped key/value heads, biases, the layer's scaling, sliding window,
+  soft cap (Gemma 2) and sinks (gpt-oss), and plain rotary embeddings
+  (``rope_type`` "default"); the output projection keeps its width.  Layers
+  with per-head q/k norms or scaled rotary embeddings are refused: the
+  model runner (``manyheads.models``) serves those.
 
 PyTorch stores ``nn.Linear`` weights as (out, in) for ``x @ W.T``; manyheads
 uses ``x @ W`` with W of shape (in, out), so weights are transposed on import.
@@ -33,7 +40,8 @@ DEFAULT_CONTEXT_LENGTH = 1024  # when the source records none
 SUPPORTED = (
     "torch.nn.MultiheadAttention, the book's MultiHeadAttention (W_query/W_key/W_value/"
     "out_proj Linear layers with num_heads), the book's MultiHeadAttentionWrapper (a `heads` "
-    "list of single-head modules) and Hugging Face GPT-2 attention (c_attn/c_proj)"
+    "list of single-head modules), Hugging Face GPT-2 attention (c_attn/c_proj) and Hugging "
+    "Face decoder attention (q_proj/k_proj/v_proj/o_proj with a config)"
 )
 
 
@@ -42,8 +50,11 @@ class FusedWeights:
     """The weights of multi-head attention in the fused layout, NumPy convention ``x @ W``.
 
     ``W_q``, ``W_k``, ``W_v`` are (d_in, d_out) with head h in columns
-    h*head_dim..(h+1)*head_dim; biases (d_out,) or None; ``W_out`` (d_out,
-    d_out) and ``b_out`` (d_out,), or None when there is no output projection;
+    h*head_dim..(h+1)*head_dim (keys and values: as many columns as their
+    heads, fewer with grouped-query attention); biases likewise or None;
+    ``W_out`` (d_out, n) and ``b_out`` (n,), n the output width (d_out but for
+    layers that project back to another width), or None when there is no
+    output projection;
     ``scale`` None means 1/sqrt(head_dim); ``rope_theta`` the base of rotary
     position embeddings, None for none; ``softcap``, ``sinks`` and
     ``alibi_slopes`` the scores' soft cap and the per-head sinks and slopes.
@@ -67,11 +78,15 @@ class FusedWeights:
     softcap: float | None = None  # c of the scores' soft cap, None: none
     sinks: np.ndarray | None = None  # (num_heads,) sink logits, None: none
     alibi_slopes: np.ndarray | None = None  # (num_heads,) ALiBi slopes, None: none
+    window: int | None = None  # sliding window of the layer, None: none
 
 
 def tensor_to_numpy(t: Any, dtype: Any) -> np.ndarray:
     """A torch tensor (or parameter) copied into a NumPy array of ``dtype``."""
-    return np.array(t.detach().cpu().numpy(), dtype=dtype)
+    t = t.detach().cpu()
+    if str(t.dtype) == "torch.bfloat16":  # (NumPy has no bfloat16 of its own)
+        t = t.float()
+    return np.array(t.numpy(), dtype=dtype)
 
 
 def _linear(layer: Any, dtype: Any) -> tuple[np.ndarray, np.ndarray | None]:
@@ -87,6 +102,9 @@ def _kind(m: Any) -> str:
         return "torch_mha"
     if hasattr(m, "c_attn") and hasattr(m, "c_proj") and hasattr(m, "num_heads"):
         return "gpt2"
+    if all(hasattr(m, a) for a in ("q_proj", "k_proj", "v_proj", "o_proj", "config",
+                                   "head_dim")):
+        return "hf_decoder"
     if all(hasattr(m, a) for a in ("W_query", "W_key", "W_value", "out_proj", "num_heads")):
         return "book_fused"
     heads = getattr(m, "heads", None)
@@ -130,6 +148,8 @@ def fused_weights(m: Any, dtype: Any = np.float32) -> FusedWeights:
                     W_v=w[:, 2 * E:], b_q=b[:E], b_k=b[E:2 * E], b_v=b[2 * E:],
                     W_out=tensor_to_numpy(m.c_proj.weight, dtype), b_out=tensor_to_numpy(m.c_proj.bias, dtype),
                     scale=float(scale), dropout=0.0)
+    if kind == "hf_decoder":
+        return _hf_decoder_weights(m, dtype)
     if kind == "book_fused":
         W_q, b_q = _linear(m.W_query, dtype)
         W_k, b_k = _linear(m.W_key, dtype)
@@ -159,6 +179,62 @@ def fused_weights(m: Any, dtype: Any = np.float32) -> FusedWeights:
                 dropout=float(drop))
 
 
+def _hf_rope_theta(cfg: Any) -> float:
+    """The base of a transformers config's plain rotary embeddings; TypeError for any
+    other kind (scaled, partial, or given per layer type)."""
+    params = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
+    if not isinstance(params, dict) or any(isinstance(v, dict) for v in params.values()):
+        raise TypeError("rotary embeddings set per layer type cannot be imported into one "
+                        "module; manyheads.models.from_pretrained runs such models")
+    kind = params.get("rope_type", params.get("type", "default"))
+    if kind != "default":
+        raise TypeError(f"rotary embeddings of type {kind!r} cannot be imported (the modules "
+                        "rotate by plain rope_theta); manyheads.models.from_pretrained runs "
+                        "such models")
+    if float(getattr(cfg, "partial_rotary_factor", 1.0) or 1.0) != 1.0:
+        raise TypeError("partial rotary embeddings cannot be imported; "
+                        "manyheads.models.from_pretrained runs such models")
+    theta = params.get("rope_theta", getattr(cfg, "rope_theta", None))
+    if theta is None:
+        raise TypeError("the config gives no rope_theta")
+    return float(theta)
+
+
+def _hf_decoder_weights(m: Any, dtype: Any) -> FusedWeights:
+    """A transformers decoder attention layer (q_proj/k_proj/v_proj/o_proj)."""
+    if getattr(m, "q_norm", None) is not None or getattr(m, "k_norm", None) is not None:
+        raise TypeError(f"{type(m).__name__} normalises each head's queries and keys "
+                        "(Qwen3, Gemma 3), which the modules do not; "
+                        "manyheads.models.from_pretrained runs such models")
+    cfg = m.config
+    H = int(cfg.num_attention_heads)
+    Hkv = int(getattr(cfg, "num_key_value_heads", None) or H)
+    D = int(m.head_dim)
+    W_q, b_q = _linear(m.q_proj, dtype)
+    W_k, b_k = _linear(m.k_proj, dtype)
+    W_v, b_v = _linear(m.v_proj, dtype)
+    W_out, b_out = _linear(m.o_proj, dtype)
+    if W_q.shape[1] != H * D or W_k.shape[1] != Hkv * D or W_out.shape[0] != H * D:
+        raise TypeError(f"{type(m).__name__}'s projections do not match {H} heads and {Hkv} "
+                        f"key/value heads of {D}")
+    if (b_q is None) != (b_k is None) or (b_q is None) != (b_v is None):
+        raise TypeError("the query, key and value projections must all have biases or none")
+    # the layer's own window (Gemma 2, gpt-oss, Qwen2: None on full layers), else the
+    # config's (Mistral's applies to every layer)
+    window = getattr(m, "sliding_window") if hasattr(m, "sliding_window") \
+        else getattr(cfg, "sliding_window", None)
+    softcap = getattr(m, "attn_logit_softcapping", None)
+    sinks = getattr(m, "sinks", None)
+    return FusedWeights(d_in=W_q.shape[0], d_out=H * D, num_heads=H, W_q=W_q, W_k=W_k,
+                        W_v=W_v, b_q=b_q, b_k=b_k, b_v=b_v, W_out=W_out, b_out=b_out,
+                        scale=float(m.scaling), dropout=float(getattr(cfg, "attention_dropout",
+                                                                      0.0) or 0.0),
+                        rope_theta=_hf_rope_theta(cfg),
+                        softcap=None if softcap is None else float(softcap),
+                        sinks=None if sinks is None else tensor_to_numpy(sinks, dtype),
+                        window=None if window is None else int(window))
+
+
 def import_module(m: Any, *, causal: bool | None,
                   dtype: Any = np.float32) -> tuple[FusedWeights, int, bool]:
     """(weights, context length, batch_first) of PyTorch module ``m`` for the modules' from_torch.
@@ -186,6 +262,7 @@ def context_length_of(m: Any, default: int = DEFAULT_CONTEXT_LENGTH) -> int:
     if mask is not None and hasattr(mask, "shape") and len(mask.shape) == 2:
         return int(mask.shape[-1])
     cfg = getattr(m, "config", None)
-    if cfg is not None and getattr(cfg, "n_positions", None):
-        return int(cfg.n_positions)
+    for name in ("n_positions", "max_position_embeddings"):
+        if cfg is not None and getattr(cfg, name, None):
+            return int(getattr(cfg, name))
     return default

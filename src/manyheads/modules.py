@@ -686,6 +686,11 @@ class StackedMultiHeadAttention(_AttentionModule):
         if w.scale is not None and not np.isclose(w.scale, (w.d_out // w.num_heads) ** -0.5):
             raise ValueError("a stack of heads uses the scale 1/sqrt(head_dim); use a fused "
                              "MultiHeadAttention for this module")
+        if w.W_k.shape[1] != w.d_out or (w.W_out is not None and w.W_out.shape[1] != w.d_out):
+            raise ValueError("a stack of independent heads needs a key and value head per "
+                             "query head and an output as wide as d_out; use a fused "
+                             "MultiHeadAttention for this module")
+        window = w.window if window is None else window
         st = cls(w.d_in, w.d_out, context_length, w.dropout, w.num_heads, w.b_q is not None,
                  out_proj=w.W_out is not None, causal=w.causal, window=window,
                  rope_theta=w.rope_theta, batch_first=batch_first, softcap=w.softcap,
@@ -780,14 +785,18 @@ class MultiHeadAttention(_AttentionModule):
         Defaults to ``num_heads``.
     scale : float, optional, keyword-only
         Multiplies the query-key products; defaults to ``1 / sqrt(head_dim)``.
+    out_features : int, optional, keyword-only
+        Width of the output projection's result (default: d_out).  Layers whose
+        heads are together wider or narrower than the model (Gemma 2, gpt-oss)
+        project back to the model's width.
 
     Attributes
     ----------
     W_query : ndarray (d_in, d_out)
     W_key, W_value : ndarray (d_in, num_kv_heads * head_dim)
     b_query, b_key, b_value : ndarray or None
-    W_out : ndarray (d_out, d_out)
-    b_out : ndarray (d_out,)
+    W_out : ndarray (d_out, out_features)
+    b_out : ndarray (out_features,)
     """
 
     W_query = _PackedWeight(0)
@@ -803,12 +812,14 @@ class MultiHeadAttention(_AttentionModule):
                  window: int | None = None, scale: float | None = None,
                  rope_theta: float | None = None, batch_first: bool = True,
                  softcap: float | None = None, sinks: bool = False, alibi: bool = False,
-                 dtype: Any = np.float32, seed: Any = None) -> None:
+                 out_features: int | None = None, dtype: Any = np.float32,
+                 seed: Any = None) -> None:
         self._init_common(d_in, d_out, context_length, dropout, qkv_bias, causal=causal,
                           window=window, batch_first=batch_first, dtype=dtype, seed=seed,
                           rope_theta=rope_theta, num_heads=num_heads, softcap=softcap,
                           sinks=sinks, alibi=alibi)
         self.scale = check_optional_real(scale, "scale")
+        self.out_features = check_optional_int(out_features, "out_features", 1) or self.d_out
         kvh = check_optional_int(num_kv_heads, "num_kv_heads", 1) or self.num_heads
         if self.num_heads % kvh:
             raise ValueError(
@@ -826,8 +837,8 @@ class MultiHeadAttention(_AttentionModule):
         self.b_qkv: np.ndarray | None = None
         if self.qkv_bias:
             self.b_qkv = _linear_init(rng, self.d_in, (width,), self.dtype)
-        self.W_out = _linear_init(rng, self.d_out, (self.d_out, self.d_out), self.dtype)
-        self.b_out = _linear_init(rng, self.d_out, (self.d_out,), self.dtype)
+        self.W_out = _linear_init(rng, self.d_out, (self.d_out, self.out_features), self.dtype)
+        self.b_out = _linear_init(rng, self.d_out, (self.out_features,), self.dtype)
 
     def _cols(self, part: int) -> slice:
         """Columns of part 0 (queries), 1 (keys) or 2 (values) in the packed projection."""
@@ -838,8 +849,9 @@ class MultiHeadAttention(_AttentionModule):
         return self.num_kv_heads, self.head_dim
 
     def _settings(self) -> dict[str, Any]:
+        extra = {} if self.out_features == self.d_out else {"out_features": self.out_features}
         return dict(super()._settings(), num_heads=self.num_heads,
-                    num_kv_heads=self.num_kv_heads, scale=self.scale)
+                    num_kv_heads=self.num_kv_heads, scale=self.scale, **extra)
 
     def _weights(self) -> dict[str, np.ndarray]:
         arrays = {"W_qkv": self.W_qkv, "W_out": self.W_out, "b_out": self.b_out}
@@ -890,17 +902,23 @@ class MultiHeadAttention(_AttentionModule):
                             softcap=self.softcap,
                             sinks=None if self.sinks is None else self.sinks.copy(),
                             alibi_slopes=None if self.alibi_slopes is None
-                            else self.alibi_slopes.copy())
+                            else self.alibi_slopes.copy(), window=self.window)
 
     @classmethod
     def from_weights(cls, w: FusedWeights, context_length: int = 1024, *,
                      window: int | None = None, batch_first: bool = True,
                      dtype: Any = np.float32) -> "MultiHeadAttention":
-        """A fused module with these weights (copied); no output projection becomes the identity."""
+        """A fused module with these weights (copied); no output projection becomes the
+        identity.  Grouped key/value heads and the output width follow the weights'
+        shapes; ``window`` defaults to the weights' own."""
+        head_dim = w.d_out // w.num_heads
         m = cls(w.d_in, w.d_out, context_length, w.dropout, w.num_heads, w.b_q is not None,
-                causal=w.causal, window=window, scale=w.scale, rope_theta=w.rope_theta,
-                batch_first=batch_first, softcap=w.softcap, sinks=w.sinks is not None,
-                alibi=w.alibi_slopes is not None, dtype=dtype, seed=0)
+                num_kv_heads=w.W_k.shape[1] // head_dim, causal=w.causal,
+                window=w.window if window is None else window, scale=w.scale,
+                rope_theta=w.rope_theta, batch_first=batch_first, softcap=w.softcap,
+                sinks=w.sinks is not None, alibi=w.alibi_slopes is not None,
+                out_features=None if w.W_out is None else w.W_out.shape[1], dtype=dtype,
+                seed=0)
         for name in ("sinks", "alibi_slopes"):
             if getattr(w, name) is not None:
                 getattr(m, name)[...] = getattr(w, name)
@@ -923,8 +941,13 @@ class MultiHeadAttention(_AttentionModule):
         module : torch module
             ``torch.nn.MultiheadAttention``, the book's fused ``MultiHeadAttention``,
             the book's ``MultiHeadAttentionWrapper`` (its heads become the fused
-            heads; the output projection is the identity) or Hugging Face GPT-2
-            attention.  Anything else raises TypeError.
+            heads; the output projection is the identity), Hugging Face GPT-2
+            attention, or a Hugging Face decoder attention layer with
+            ``q_proj``/``k_proj``/``v_proj``/``o_proj`` (Llama, Mistral, Qwen2,
+            Gemma 2, gpt-oss and the like: grouped heads, biases, the layer's
+            scaling, sliding window, soft cap and sinks, plain rotary embeddings
+            and the output width come along; per-head q/k norms and scaled
+            rotary embeddings are refused).  Anything else raises TypeError.
         causal : bool
             Required for ``nn.MultiheadAttention``, which does not record it
             (its mask comes at call time): True for a decoder, False for an
@@ -949,6 +972,9 @@ class MultiHeadAttention(_AttentionModule):
             )
         if self.scale is not None and not np.isclose(self.scale, self.head_dim ** -0.5):
             raise ValueError("to_stacked() needs the default scale 1/sqrt(head_dim)")
+        if self.out_features != self.d_out:
+            raise ValueError("to_stacked() needs out_features == d_out (a stack's output "
+                             "projection keeps the width)")
         w = self.to_weights()
         w.scale = None
         return StackedMultiHeadAttention.from_weights(w, self.context_length, window=self.window,
