@@ -204,3 +204,27 @@ def test_grouped_query_module_matches_repeated_kv_heads(rng):
         heads.append((m.W_query[:, qc], m.W_key[:, kc], m.W_value[:, kc]))
     ref = oracle.stacked_multi_head_attention(x, heads, m.W_out, m.b_out)
     np.testing.assert_allclose(m(x), ref, rtol=0, atol=1e-10)
+
+
+def test_out_features_sets_the_output_projections_width(rng, tmp_path):
+    """An output projection back to another width (Gemma 2, gpt-oss): the output is
+    merged heads @ W_out (d_out, out_features) + b_out, carried by save/load and repr."""
+    m = mh.MultiHeadAttention(48, 64, 32, num_heads=4, num_kv_heads=2, out_features=40, seed=1)
+    assert m.W_out.shape == (64, 40) and m.b_out.shape == (40,)
+    x = rng.standard_normal((2, 9, 48)).astype(np.float32)
+    q = (x @ m.W_query).reshape(2, 9, 4, 16).transpose(0, 2, 1, 3)
+    k, v = ((x @ w).reshape(2, 9, 2, 16).transpose(0, 2, 1, 3) for w in (m.W_key, m.W_value))
+    heads = oracle.scaled_dot_product_attention(q.astype(np.float64), k, v, is_causal=True,
+                                                enable_gqa=True)
+    want = heads.transpose(0, 2, 1, 3).reshape(2, 9, 64) @ m.W_out + m.b_out
+    got = m(x)
+    assert got.shape == (2, 9, 40)
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-5)
+    assert "out_features=40" in repr(m) and "out_features" not in repr(
+        mh.MultiHeadAttention(48, 64, num_heads=4))
+    m.save(tmp_path / "m.npz")
+    np.testing.assert_array_equal(mh.MultiHeadAttention.load(tmp_path / "m.npz")(x), got)
+    with pytest.raises(ValueError, match="out_features"):
+        mh.MultiHeadAttention(48, 64, num_heads=4, out_features=40).to_stacked()
+    with pytest.raises(ValueError, match="out_features"):
+        mh.MultiHeadAttention(48, 64, num_heads=4, out_features=0)
