@@ -180,24 +180,24 @@ def fused_weights(m: Any, dtype: Any = np.float32) -> FusedWeights:
 
 
 def _hf_rope_theta(cfg: Any) -> float:
-    """The base of a transformers config's plain rotary embeddings; TypeError for any
-    other kind (scaled, partial, or given per layer type)."""
-    params = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
-    if not isinstance(params, dict) or any(isinstance(v, dict) for v in params.values()):
+    """The base of a transformers config's plain rotary embeddings, read as the model
+    runner reads a config.json; TypeError for any other kind (scaled, partial, or given
+    per layer type)."""
+    from .models._rope import rope_parameters_of  # (lazily: that package imports this one)
+
+    try:
+        params = rope_parameters_of(cfg.to_dict())
+    except ValueError:
         raise TypeError("rotary embeddings set per layer type cannot be imported into one "
-                        "module; manyheads.models.from_pretrained runs such models")
-    kind = params.get("rope_type", params.get("type", "default"))
-    if kind != "default":
-        raise TypeError(f"rotary embeddings of type {kind!r} cannot be imported (the modules "
-                        "rotate by plain rope_theta); manyheads.models.from_pretrained runs "
-                        "such models")
-    if float(getattr(cfg, "partial_rotary_factor", 1.0) or 1.0) != 1.0:
+                        "module; manyheads.models.from_pretrained runs such models") from None
+    if params["rope_type"] != "default":
+        raise TypeError(f"rotary embeddings of type {params['rope_type']!r} cannot be imported "
+                        "(the modules rotate by plain rope_theta); "
+                        "manyheads.models.from_pretrained runs such models")
+    if float(params.get("partial_rotary_factor") or 1.0) != 1.0:
         raise TypeError("partial rotary embeddings cannot be imported; "
                         "manyheads.models.from_pretrained runs such models")
-    theta = params.get("rope_theta", getattr(cfg, "rope_theta", None))
-    if theta is None:
-        raise TypeError("the config gives no rope_theta")
-    return float(theta)
+    return float(params["rope_theta"])
 
 
 def _hf_decoder_weights(m: Any, dtype: Any) -> FusedWeights:
