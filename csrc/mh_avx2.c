@@ -159,6 +159,8 @@ static inline void mh_transpose_f64_avx2(__m256d r[4])
     _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(p))), 16))
 #define V_LOAD_I8(p) _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p))))
 #define V_LOAD_U4(p) mh_load_u4_avx2((const uint8_t *)(p))
+#define V_I8_PASS(p, xp) mh_i8_pass_avx2((p), (xp))
+#define V_LOAD_I8_PAIRS(p, e, o) mh_load_i8_pairs_avx2((p), &(e), &(o))
 /* int4 groups in split order (mh_few_rows.h, FN(u4_row)) */
 #define V_LOAD_U4_GROUP(p, u) mh_load_u4_group_avx2((const uint8_t *)(p), (u))
 #define V_SPLIT_GROUP(u) mh_split_group_avx2(u)
@@ -166,6 +168,29 @@ static inline void mh_transpose_f64_avx2(__m256d r[4])
 #define V_STORE_BF16(p, x) _mm_storeu_si128((__m128i *)(p), mh_to_bf16_avx2(x))
 #define V_STORE_HALF(p, x) \
     _mm_storeu_si128((__m128i *)(p), _mm256_cvtps_ph((x), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC))
+
+/* A blocked int8 pass (mh_linear_index) for 8 columns: each of its four pairs of
+   rows (16 bytes: 8 columns x 2 rows) widened to 16 bits and multiplied by its pair of
+   16-bit integers, the two products of a column added (madd), the four pairs' sums
+   added: exact (at most 8 * 127 * 32767 in magnitude), then converted to float. */
+static inline __m256 mh_i8_pass_avx2(const int8_t *p, const __m256 *xp)
+{
+    __m256i s = _mm256_setzero_si256();
+    for (int j = 0; j < 4; ++j) {
+        const __m256i w = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(p + 32 * j)));
+        s = _mm256_add_epi32(s, _mm256_madd_epi16(w, _mm256_castps_si256(xp[j])));
+    }
+    return _mm256_cvtepi32_ps(s);
+}
+
+/* The pair of rows of 8 blocked int8 columns at p (16 bytes, even row first in each
+   column) as floats: the even row in *e, the odd one in *o. */
+static inline void mh_load_i8_pairs_avx2(const int8_t *p, __m256 *e, __m256 *o)
+{
+    const __m256i w = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)p));
+    *e = _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(w, 16), 16));
+    *o = _mm256_cvtepi32_ps(_mm256_srai_epi32(w, 16));
+}
 
 /* x rounded to bfloat16 bits (nearest even; NaN: the high half with the quiet
    bit set), as mh_float_to_bf16 does lane by lane. */
@@ -246,6 +271,7 @@ static inline __m256 mh_exp2_f32_avx2(__m256 x)
 #define MH_HAS_F16_LOAD 1
 #define MH_HAS_BF16_LOAD 1
 #define MH_HAS_I8_LOAD 1
+#define MH_HAS_I8_PAIRS 1
 #define MH_HAS_U4_LOAD 1
 #define MH_HAS_U4_SPLIT 1
 #define MH_HAS_HALF_STORE 1

@@ -131,6 +131,8 @@ static inline void mh_transpose_f64_avx512(__m512d r[8])
     _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(p))), 16))
 #define V_LOAD_I8(p) _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p))))
 #define V_LOAD_U4(p) mh_load_u4_avx512((const uint8_t *)(p))
+#define V_I8_PASS(p, xp) mh_i8_pass_avx512((p), (xp))
+#define V_LOAD_I8_PAIRS(p, e, o) mh_load_i8_pairs_avx512((p), &(e), &(o))
 /* int4 groups in split order (mh_few_rows.h, FN(u4_row)) */
 #define V_LOAD_U4_GROUP(p, u) mh_load_u4_split_avx512((const uint8_t *)(p), &(u)[0], &(u)[1])
 #define V_SPLIT_GROUP(u) mh_split_avx512(&(u)[0], &(u)[1])
@@ -151,6 +153,37 @@ static inline void mh_transpose_f64_avx512(__m512d r[8])
 #define VM __mmask16
 #define V_VISIBLE(p) _mm512_cmpge_epi32_mask(_mm512_castps_si512(p), _mm512_setzero_si512())
 #define V_FMA_VISIBLE(a, b, c, m) _mm512_mask3_fmadd_ps((a), (b), (c), (m))
+
+/* A blocked int8 pass (mh_linear_index) for 16 columns, as the AVX2 path does it for
+   8 (16-bit multiply-adds of 512 bits need AVX512-BW, which this path does not
+   require): each 8-column half of the four pairs of rows (32 bytes a pair) widened to
+   16 bits, multiplied by its pair of 16-bit integers (the lanes of xp[j]) and added
+   (madd), exactly; the halves joined and converted to float. */
+static inline __m512 mh_i8_pass_avx512(const int8_t *p, const __m512 *xp)
+{
+    __m256i lo = _mm256_setzero_si256(), hi = _mm256_setzero_si256();
+    for (int j = 0; j < 4; ++j) {
+        const __m256i x = _mm512_castsi512_si256(_mm512_castps_si512(xp[j]));
+        const __m256i wl = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(p + 32 * j)));
+        const __m256i wh = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(p + 32 * j + 16)));
+        lo = _mm256_add_epi32(lo, _mm256_madd_epi16(wl, x));
+        hi = _mm256_add_epi32(hi, _mm256_madd_epi16(wh, x));
+    }
+    return _mm512_cvtepi32_ps(_mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1));
+}
+
+/* The pair of rows of 16 blocked int8 columns at p (32 bytes, even row first in each
+   column) as floats: the even row in *e, the odd one in *o. */
+static inline void mh_load_i8_pairs_avx512(const int8_t *p, __m512 *e, __m512 *o)
+{
+    const __m512i w = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p));
+    const __m512i w2 = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p + 16)));
+    /* w: columns 0-7 as (even, odd) pairs; w2: columns 8-15 */
+    const __m512i idx_e = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+    const __m512i idx_o = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+    *e = _mm512_cvtepi32_ps(_mm512_permutex2var_epi32(w, idx_e, w2));
+    *o = _mm512_cvtepi32_ps(_mm512_permutex2var_epi32(w, idx_o, w2));
+}
 
 /* x rounded to bfloat16 bits (nearest even; NaN: the high half with the quiet
    bit set), as mh_float_to_bf16 does lane by lane.  (vcvtneps2bf16 would treat
@@ -293,6 +326,7 @@ static inline void mh_interleave_bf16_avx512(uint32_t *dst, const uint16_t *r0,
 #define MH_HAS_F16_LOAD 1
 #define MH_HAS_BF16_LOAD 1
 #define MH_HAS_I8_LOAD 1
+#define MH_HAS_I8_PAIRS 1
 #define MH_HAS_U4_LOAD 1
 #define MH_HAS_U4_SPLIT 1
 #define MH_HAS_HALF_STORE 1

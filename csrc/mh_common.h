@@ -13,6 +13,7 @@
 
 #ifndef MH_IMPL_COMMON_DONE
 #define MH_IMPL_COMMON_DONE
+#include <float.h>
 #include <math.h>
 #include <string.h>
 #include "mh_kernels.h"

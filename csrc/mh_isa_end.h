@@ -36,6 +36,8 @@
 #undef V_STORE_BF16
 #undef V_STORE_HALF
 #undef V_LOAD_I8
+#undef V_I8_PASS
+#undef V_LOAD_I8_PAIRS
 #undef V_LOAD_U4
 #undef V_LOAD_U4_GROUP
 #undef V_SPLIT_GROUP
@@ -63,6 +65,7 @@
 #undef MH_HAS_F16_LOAD
 #undef MH_HAS_BF16_LOAD
 #undef MH_HAS_I8_LOAD
+#undef MH_HAS_I8_PAIRS
 #undef MH_HAS_U4_LOAD
 #undef MH_HAS_U4_SPLIT
 #undef MH_HAS_HALF_STORE

@@ -265,7 +265,8 @@ typedef struct mh_linear_args {
     const void *bias;
     void *out; int64_t out_row;
     int64_t tile_m, tile_n; /* BLAS tiles (more rows); tile_n: column blocks (few rows) */
-    int w_fmt;              /* w's storage (mh_formats.h): native, or F16, BF16, I8 (f32) */
+    int w_fmt;              /* w's storage (mh_formats.h): native, or F16, BF16, I8 (f32;
+                               blocked: mh_linear_index) */
     const float *w_scales;  /* I8: (ceil(k / group), n) scales, rows n apart; else NULL */
     int64_t group;          /* I8: rows of k that share a scale */
     int64_t k_chunk;        /* few rows: rows of k per work item (k: one chunk) */
@@ -273,6 +274,23 @@ typedef struct mh_linear_args {
     mh_sgemm_fn sgemm;
     mh_dgemm_fn dgemm;
 } mh_linear_args;
+
+/* Where element (kk, c) of w lies, in elements from a->w.  Float weights are rows
+   a->w_row apart.  int8 weights are blocked for the few-rows product's passes of eight
+   rows of k (k padded with zero rows to a multiple of 8), each pass a->w_row * 8
+   bytes (w_row: n padded to a multiple of 16).  A pass holds the columns in blocks of
+   16, 128 bytes each; a block its four pairs of rows 32 bytes apart; a pair its 16
+   columns 2 bytes apart, the even row's value first.  So a pass is one contiguous
+   stream, and the values of one pair of rows and up to 16 columns, starting at a
+   multiple of their count, are contiguous: what a 16-bit integer multiply-add of pairs
+   takes (mh_linear_impl.h, FN(i8_pass)).  (manyheads.weights.Int8Weight lays its
+   values out so.) */
+static inline int64_t mh_linear_index(const mh_linear_args *a, int64_t kk, int64_t c)
+{
+    if (a->w_fmt != MH_STORE_I8) return kk * a->w_row + c;
+    return (kk & ~(int64_t)7) * a->w_row + (c >> 4) * 128 + ((kk & 7) >> 1) * 32 +
+           (c & 15) * 2 + (kk & 1);
+}
 
 /* Column block `block` of the few-rows path (ISA kernels). */
 typedef void (*mh_linear_rows_fn)(const mh_linear_args *args, int64_t block);

@@ -6,13 +6,21 @@
  * block is read once, as whole vectors, for every input row at once.
  *
  * w is stored in a->w_fmt: the native type, or (float32 kernels) float16, bfloat16,
- * or int8 with one float32 scale per (group of a->group rows of k, column).  Float
- * formats are widened as they load, so their sums are those of the widened weights,
- * bit for bit; an int8 group's sums are multiplied by the group's scale and added to
- * the total after the group.  Each output element adds its k rows eight at a time
- * from the start of its chunk (or group), in order, each eight as the pair sum of
- * FN(eight_rows), then the remaining rows one multiply-add each: the same
- * arithmetic in every column, so the column blocking never changes a bit.
+ * or int8 with one float32 scale per (group of a->group rows of k, column), blocked
+ * (mh_linear_index).  Float formats are widened as they load, so their sums are
+ * those of the widened weights, bit for bit: each output element adds its k rows
+ * eight at a time from the start of its chunk, in order, each eight as the pair sum
+ * of FN(eight_rows), then the remaining rows one multiply-add each.  int8 takes a
+ * pass of eight rows as integers: the pass's eight x values are rounded to 16-bit
+ * integers with one scale (FN(i8_pass_x): at most half a step of their largest
+ * magnitude / 32767 off), each column's eight products are summed exactly (16-bit
+ * multiply-adds of pairs), and the sum times the scale is added to the column's total
+ * with one multiply-add; rows before the first whole pass of a group (groups of a
+ * size not a multiple of 8) or after the last (in the middle of w), and passes with
+ * a value that is not finite or tiny, are widened and added one multiply-add each.
+ * An int8 group's total is multiplied by the group's scale and added to the output
+ * after the group.  The same arithmetic in every column, so the column blocking never
+ * changes a bit.
  */
 
 /* sums of T a row of a few-rows block */
@@ -60,11 +68,11 @@ MH_INLINE V FN(eight_rows)(const V *xs, const V *w, V s)
     return V_ADD(s, V_ADD(a, b));
 }
 
-/* acc[r][0, nv*VW) += x[r][kk] * w[kk][c0 + ...] for kk in [k0, k1): eight rows of w
-   per pass (FN(eight_rows); eight streams, and the sums loaded and stored once for
-   eight rows), each a contiguous run of the block (up to MH_LINEAR_BLOCK_BYTES of
-   sums, which the hardware prefetchers stream at the memory's rate), then the rows
-   left one at a time. */
+/* acc[r][0, nv*VW) += x[r][kk] * w[kk][c0 + ...] for kk in [k0, k1) (float weights):
+   eight rows of w per pass (FN(eight_rows); eight streams, and the sums loaded and
+   stored once for eight rows), each a contiguous run of the block (up to
+   MH_LINEAR_BLOCK_BYTES of sums, which the hardware prefetchers stream at the memory's
+   rate), then the rows left one at a time. */
 MH_INLINE void FN(linear_accumulate)(const int fmt, const mh_linear_args *a, int64_t c0,
                                      int64_t nv, const int R, int64_t k0, int64_t k1,
                                      T *acc, int64_t acc_row)
@@ -97,6 +105,111 @@ MH_INLINE void FN(linear_accumulate)(const int fmt, const mh_linear_args *a, int
         }
 }
 
+/* The x values of a pass, x[0, n) and zeros after (the pass that ends w reads its
+   zero rows), rounded for the integer sums: q[i] = rint(x[i] * 32767 / m), m the
+   largest |x[i]|, and the scale m / 32767 that they stand for; with MH_HAS_I8_PAIRS also the
+   pairs (q0, q1), (q2, q3), ... as the bits of a 32-bit lane (the even value low)
+   broadcast in xp.  Returns 0 (the pass is added in floats instead) if a value is not
+   finite or m is below 2^-100 but not 0 (its inverse could overflow); scale 0 if
+   every value is 0 (the pass adds nothing). */
+MH_INLINE int FN(i8_pass_x)(const T *x, int n, T *scale, V *xp, int16_t *q)
+{
+    float v[8], m = 0;
+    for (int i = 0; i < 8; ++i) {
+        v[i] = i < n ? (float)x[i] : 0.0f;
+        const float mag = fabsf(v[i]);
+        if (!(mag <= FLT_MAX)) return 0;
+        m = mag > m ? mag : m;
+    }
+    *scale = 0;
+    if (m == 0) return 1;
+    if (m < 0x1p-100f) return 0;
+    const float inv = 32767.0f / m;
+    for (int i = 0; i < 8; ++i) q[i] = (int16_t)lrintf(v[i] * inv);
+    *scale = (T)(m / 32767.0f);
+#if MH_HAS_I8_PAIRS
+    for (int j = 0; j < 4; ++j) {
+        const uint32_t bits = (uint32_t)(uint16_t)q[2 * j] | (uint32_t)(uint16_t)q[2 * j + 1] << 16;
+        float f;
+        memcpy(&f, &bits, sizeof f);
+        xp[j] = V_SET1(f);
+    }
+#else
+    (void)xp;
+#endif
+    return 1;
+}
+
+/* The exact sums over one pass of q[i] * w[kk + i][c + l] for the VW columns whose
+   pairs start at p (mh_linear_index), as V. */
+MH_INLINE V FN(i8_pass)(const int8_t *p, const V *xp, const int16_t *q)
+{
+#if MH_HAS_I8_PAIRS
+    (void)q;
+    return V_I8_PASS(p, xp);
+#else
+    (void)xp;
+    T lanes[VW];
+    for (int l = 0; l < VW; ++l) {
+        int32_t s = 0;
+        for (int j = 0; j < 4; ++j)
+            s += (int32_t)q[2 * j] * p[32 * j + 2 * l] + (int32_t)q[2 * j + 1] * p[32 * j + 2 * l + 1];
+        lanes[l] = (T)s;
+    }
+    return V_LOAD(lanes);
+#endif
+}
+
+/* acc[r][0, nv*VW) += x[r][kk] * w[kk][c0 + ...] for the one row kk of blocked int8
+   and the one input row r, widened: one multiply-add each. */
+MH_INLINE void FN(linear_one_i8)(const mh_linear_args *a, int64_t c0, int64_t nv, int r,
+                                 int64_t kk, T *acc, int64_t acc_row)
+{
+    const V xs = V_SET1(((const T *)a->x)[r * a->x_row + kk]);
+    T *ar = acc + r * acc_row;
+    T lanes[VW];
+    for (int64_t v = 0; v < nv; ++v) {
+        for (int l = 0; l < VW; ++l)
+            lanes[l] = (T)((const int8_t *)a->w)[mh_linear_index(a, kk, c0 + v * VW + l)];
+        V_STORE(ar + v * VW, V_FMA(xs, V_LOAD(lanes), V_LOAD(ar + v * VW)));
+    }
+}
+
+/* FN(linear_accumulate) for blocked int8: whole passes as integers (FN(i8_pass)), the
+   pass that ends w too, the other rows (or a pass whose x the integers cannot hold)
+   one at a time. */
+MH_INLINE void FN(linear_accumulate_i8)(const mh_linear_args *a, int64_t c0, int64_t nv,
+                                        const int R, int64_t k0, int64_t k1, T *acc,
+                                        int64_t acc_row)
+{
+    const T *x = (const T *)a->x;
+    int64_t kk = k0;
+    for (; kk < k1 && (kk & 7); ++kk)
+        for (int r = 0; r < R; ++r) FN(linear_one_i8)(a, c0, nv, r, kk, acc, acc_row);
+    for (; kk < k1 && (kk + 8 <= k1 || k1 == a->k); kk += 8) {
+        const int n = k1 - kk < 8 ? (int)(k1 - kk) : 8;
+        const int8_t *w0 = (const int8_t *)a->w + mh_linear_index(a, kk, c0);
+        for (int r = 0; r < R; ++r) {
+            T scale;
+            V xp[4];
+            int16_t q[8];
+            if (!FN(i8_pass_x)(x + r * a->x_row + kk, n, &scale, xp, q)) {
+                for (int i = 0; i < n; ++i) FN(linear_one_i8)(a, c0, nv, r, kk + i, acc, acc_row);
+                continue;
+            }
+            if (scale == 0) continue;
+            const V sv = V_SET1(scale);
+            T *ar = acc + r * acc_row;
+            for (int64_t v = 0; v < nv; ++v) {
+                const int8_t *p = w0 + ((v * VW) >> 4) * 128 + ((v * VW) & 15) * 2;
+                V_STORE(ar + v * VW, V_FMA(FN(i8_pass)(p, xp, q), sv, V_LOAD(ar + v * VW)));
+            }
+        }
+    }
+    for (; kk < k1; ++kk)
+        for (int r = 0; r < R; ++r) FN(linear_one_i8)(a, c0, nv, r, kk, acc, acc_row);
+}
+
 /* Columns [c0, c0 + nv*VW) of R rows over rows [k0, k1) of w, weights of format fmt,
    into dst (rows dst_row apart), starting from the bias (with_bias) or from zero.  The
    block's sums live in L1/L2 (at most MH_LINEAR_BLOCK_BYTES of them per row; half of
@@ -117,7 +230,7 @@ MH_INLINE void FN(linear_rows_block)(const int fmt, const mh_linear_args *a, int
         const float *scale = a->w_scales + c0;
         for (int r = 0; r < R; ++r)
             for (int64_t v = 0; v < nv; ++v) V_STORE(acc[r] + v * VW, V_ZERO());
-        FN(linear_accumulate)(fmt, a, c0, nv, R, k0, k1, acc[0], MH_LINEAR_SUMS);
+        FN(linear_accumulate_i8)(a, c0, nv, R, k0, k1, acc[0], MH_LINEAR_SUMS);
         for (int r = 0; r < R; ++r)
             for (int64_t v = 0; v < nv; ++v)
                 V_STORE(acc[r] + v * VW, V_FMA(FN(scales_load)(scale + v * VW),
@@ -131,7 +244,7 @@ MH_INLINE void FN(linear_rows_block)(const int fmt, const mh_linear_args *a, int
             const float *scale = a->w_scales + (g0 / a->group) * a->n + c0;
             for (int r = 0; r < R; ++r)
                 for (int64_t v = 0; v < nv; ++v) V_STORE(acc[r] + half + v * VW, V_ZERO());
-            FN(linear_accumulate)(fmt, a, c0, nv, R, g0, g1, acc[0] + half, MH_LINEAR_SUMS);
+            FN(linear_accumulate_i8)(a, c0, nv, R, g0, g1, acc[0] + half, MH_LINEAR_SUMS);
             for (int r = 0; r < R; ++r)
                 for (int64_t v = 0; v < nv; ++v)
                     V_STORE(acc[r] + v * VW, V_FMA(FN(scales_load)(scale + v * VW),
@@ -142,6 +255,37 @@ MH_INLINE void FN(linear_rows_block)(const int fmt, const mh_linear_args *a, int
     for (int r = 0; r < R; ++r)
         for (int64_t v = 0; v < nv; ++v)
             V_STORE(dst + r * dst_row + v * VW, V_LOAD(acc[r] + v * VW));
+}
+
+/* The sums of FN(linear_accumulate_i8) for the one column c and input row r over rows
+   [k0, k1), in lane 0 of a vector (so the arithmetic is the vector lanes' own). */
+MH_INLINE V FN(i8_column)(const mh_linear_args *a, int64_t c, int r, int64_t k0, int64_t k1)
+{
+    const T *x = (const T *)a->x + r * a->x_row;
+    const int8_t *w = (const int8_t *)a->w;
+    V part = V_ZERO();
+    int64_t kk = k0;
+#define MH_ONE_ROW(row) part = V_FMA(V_SET1(x[row]), V_SET1((T)w[mh_linear_index(a, (row), c)]), part)
+    for (; kk < k1 && (kk & 7); ++kk) MH_ONE_ROW(kk);
+    for (; kk < k1 && (kk + 8 <= k1 || k1 == a->k); kk += 8) {
+        const int n = k1 - kk < 8 ? (int)(k1 - kk) : 8;
+        T scale;
+        V xp[4];
+        int16_t q[8];
+        if (!FN(i8_pass_x)(x + kk, n, &scale, xp, q)) {
+            for (int i = 0; i < n; ++i) MH_ONE_ROW(kk + i);
+            continue;
+        }
+        if (scale == 0) continue;
+        const int8_t *p = w + mh_linear_index(a, kk, c);
+        int32_t sum = 0;
+        for (int j = 0; j < 4; ++j)
+            sum += (int32_t)q[2 * j] * p[32 * j] + (int32_t)q[2 * j + 1] * p[32 * j + 1];
+        part = V_FMA(V_SET1((T)sum), V_SET1(scale), part);
+    }
+    for (; kk < k1; ++kk) MH_ONE_ROW(kk);
+#undef MH_ONE_ROW
+    return part;
 }
 
 /* One column c < VW-wide tail over rows [k0, k1) of w, lane 0 of a vector (so the
@@ -157,22 +301,25 @@ static void FN(linear_rows_column)(const mh_linear_args *a, int64_t c, int R, in
         V acc = V_SET1(bias ? bias[c] : (T)0);
         for (int64_t g0 = k0, g1; g0 < k1; g0 = g1) {
             g1 = (g0 / group + 1) * group < k1 ? (g0 / group + 1) * group : k1;
-            V part = fmt == MH_STORE_I8 ? V_ZERO() : acc;
+            if (fmt == MH_STORE_I8) {
+                acc = V_FMA(V_SET1((T)a->w_scales[(g0 / group) * a->n + c]),
+                            FN(i8_column)(a, c, r, g0, g1), acc);
+                continue;
+            }
+            V part = acc;
             int64_t kk = g0;
             for (; kk + 8 <= g1; kk += 8) { /* as FN(linear_accumulate) */
                 V xs[8], ws[8];
                 for (int i = 0; i < 8; ++i) {
                     xs[i] = V_SET1(x[r * a->x_row + kk + i]);
-                    ws[i] = V_SET1((T)mh_weight_at(fmt, a->w, (kk + i) * a->w_row + c));
+                    ws[i] = V_SET1((T)mh_weight_at(fmt, a->w, mh_linear_index(a, kk + i, c)));
                 }
                 part = FN(eight_rows)(xs, ws, part);
             }
             for (; kk < g1; ++kk)
                 part = V_FMA(V_SET1(x[r * a->x_row + kk]),
-                             V_SET1((T)mh_weight_at(fmt, a->w, kk * a->w_row + c)), part);
-            acc = fmt == MH_STORE_I8
-                      ? V_FMA(V_SET1((T)a->w_scales[(g0 / group) * a->n + c]), part, acc)
-                      : part;
+                             V_SET1((T)mh_weight_at(fmt, a->w, mh_linear_index(a, kk, c))), part);
+            acc = part;
         }
         V_STORE(lanes, acc);
         dst[r * dst_row] = lanes[0];
@@ -216,16 +363,34 @@ void FN(mh_linear_rows_item)(const mh_linear_args *a, int64_t item)
 void FN(mh_linear_widen)(const mh_linear_args *a, int64_t c0, int64_t cols, T *dst)
 {
     const int fmt = a->w_fmt;
+    if (fmt == MH_STORE_I8) { /* blocked: a pair of rows at a time, c0 a multiple of 16 */
+        const int8_t *w = (const int8_t *)a->w;
+        for (int64_t kk = 0; kk < a->k; kk += 2) {
+            const int two = kk + 1 < a->k;
+            const float *s0 = a->w_scales + (kk / a->group) * a->n + c0;
+            const float *s1 = two ? a->w_scales + ((kk + 1) / a->group) * a->n + c0 : s0;
+            T *d0 = dst + kk * cols, *d1 = d0 + cols;
+            int64_t c = 0;
+#if MH_HAS_I8_PAIRS
+            for (; c + VW <= cols; c += VW) {
+                V even, odd;
+                V_LOAD_I8_PAIRS(w + mh_linear_index(a, kk, c0 + c), even, odd);
+                V_STORE(d0 + c, V_MUL(even, FN(scales_load)(s0 + c)));
+                if (two) V_STORE(d1 + c, V_MUL(odd, FN(scales_load)(s1 + c)));
+            }
+#endif
+            for (; c < cols; ++c) {
+                d0[c] = (T)w[mh_linear_index(a, kk, c0 + c)] * s0[c];
+                if (two) d1[c] = (T)w[mh_linear_index(a, kk + 1, c0 + c)] * s1[c];
+            }
+        }
+        return;
+    }
     for (int64_t kk = 0; kk < a->k; ++kk) {
         T *d = dst + kk * cols;
-        const int64_t at = kk * a->w_row + c0;
         int64_t c = 0;
-        if (fmt == MH_STORE_I8) {
-            const float *s = a->w_scales + (kk / a->group) * a->n + c0;
-            for (; c + VW <= cols; c += VW)
-                V_STORE(d + c, V_MUL(FN(w_load)(MH_STORE_I8, a->w, at + c), FN(scales_load)(s + c)));
-            for (; c < cols; ++c) d[c] = (T)mh_weight_at(fmt, a->w, at + c) * s[c];
-        } else if (fmt == MH_STORE_F16) {
+        const int64_t at = kk * a->w_row + c0;
+        if (fmt == MH_STORE_F16) {
             for (; c + VW <= cols; c += VW) V_STORE(d + c, FN(w_load)(MH_STORE_F16, a->w, at + c));
         } else if (fmt == MH_STORE_BF16) {
             for (; c + VW <= cols; c += VW) V_STORE(d + c, FN(w_load)(MH_STORE_BF16, a->w, at + c));

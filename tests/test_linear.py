@@ -86,27 +86,90 @@ def test_half_weights_give_the_bits_of_their_widened_float32(rng, fmt, rows, k, 
                                   mh.linear(x, w.astype(np.float32), b, num_threads=2))
 
 
+def _int8_passes_rounded(x, group):
+    """x (rows, k) as the few-rows int8 product reads it: within each group of ``group``
+    rows of k, each pass of 8 (starting at a multiple of 8 and inside the group, or
+    ending k, then short) rounded to 16-bit integers times one scale, the pass's
+    largest magnitude over 32767, unless a value is not finite or that magnitude is
+    below 2^-100 but not 0; the other rows as they are."""
+    k = x.shape[1]
+    out = x.astype(np.float64)
+    for g0 in range(0, k, group):
+        g1 = min(g0 + group, k)
+        kk = -(-g0 // 8) * 8
+        while kk < g1 and (kk + 8 <= g1 or g1 == k):
+            part = x[:, kk:kk + 8]
+            with np.errstate(invalid="ignore", over="ignore"):
+                m = np.abs(part).max(axis=1, keepdims=True)
+                # a value not finite, or m tiny but not 0: the pass stays as it is
+                ok = np.isfinite(part).all(axis=1, keepdims=True) & ((m == 0) | (m >= 2.0 ** -100))
+                q = np.rint(part * (np.float32(32767) / np.where(ok & (m > 0), m, np.float32(1))))
+                rounded = q * (m / np.float32(32767)).astype(np.float64)
+            out[:, kk:kk + 8] = np.where(ok, rounded, part)
+            kk += 8
+    return out
+
+
 @pytest.mark.parametrize("fmt", ["bfloat16", "float16", "int8", "int8/32", "int8/7"])
 @pytest.mark.parametrize("rows", [1, 3, 5, 300])
 def test_weights_in_their_own_precision_match_the_oracle(rng, fmt, rows):
     """Every stored format, few rows and more rows (a widened stripe per BLAS call), against
-    float64 arithmetic on the values the weight stands for."""
-    k, n = 130, 1000
+    float64 arithmetic on the values the weight stands for; int8 with few rows on x
+    rounded as its integer passes round it."""
+    k, n = 130, 1003  # a ragged column tail on every path
     x = rng.standard_normal((rows, k)).astype(np.float32)
     w32 = rng.standard_normal((k, n)).astype(np.float32)
+    xs = x.astype(np.float64)
     if fmt.startswith("int8"):
         w = mh.Int8Weight.quantize(w32, None if fmt == "int8" else int(fmt[5:]))
         values = w.dequantize()
         # quantisation error: half a step of max|w| / 127 per weight
         assert np.abs(values - w32).max() <= np.abs(w32).max() / 254 * 1.0001
+        if rows <= _kernels.FEW_ROWS:
+            xs = _int8_passes_rounded(x, w.group_size)
+            # at most half a step of the pass's largest |x| / 32767 off
+            assert np.abs(xs - x).max() <= np.abs(x).max() / 65534 * 1.0001
     else:
         w = _stored(w32, fmt)
         values = w.astype(np.float32)
     b = rng.standard_normal(n).astype(np.float32)
-    ref = x.astype(np.float64) @ values.astype(np.float64) + b
+    ref = xs @ values.astype(np.float64) + b
     got = mh.linear(x, w, b, num_threads=2)
     assert got.dtype == np.float32 and got.shape == (rows, n)
     np.testing.assert_allclose(got, ref, rtol=0, atol=2e-4)
+
+
+@pytest.mark.parametrize("rows", [1, 4])
+def test_int8_passes_the_integers_cannot_hold_are_added_in_floats(rng, rows):
+    """A pass of x with a value that is not finite, or whose largest magnitude is tiny
+    (its inverse could overflow), is added unrounded: infinities and NaNs come out as
+    float arithmetic gives them, tiny inputs keep their precision; a pass of zeros adds
+    nothing."""
+    k, n = 40, 48
+    w = mh.Int8Weight.quantize(rng.standard_normal((k, n)).astype(np.float32))
+    values = w.dequantize().astype(np.float64)
+    x = rng.standard_normal((rows, k)).astype(np.float32)
+    x[:, 8:16] = 0  # a pass of zeros
+    x[0, 3] = np.inf
+    if rows > 1:
+        x[1, 20] = np.nan
+        x[2, 24:32] *= np.float32(1e-33)  # tiny: added in floats, not rounded
+    ref = _int8_passes_rounded(x, k)
+    tiny = slice(24, 32)
+    with np.errstate(invalid="ignore"):
+        expected = ref @ values
+    got = mh.linear(x, w)
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(expected))
+    np.testing.assert_array_equal(np.isposinf(got), np.isposinf(expected))
+    np.testing.assert_array_equal(np.isneginf(got), np.isneginf(expected))
+    assert np.isinf(got[0]).any() and (rows == 1 or np.isnan(got[1]).all())
+    finite = np.isfinite(expected)
+    np.testing.assert_allclose(got[finite], expected[finite], rtol=0, atol=2e-4)
+    if rows > 1:  # the tiny pass alone, at float precision
+        only = np.zeros_like(x)
+        only[2, tiny] = x[2, tiny]
+        np.testing.assert_allclose(mh.linear(only, w)[2], x[2, tiny].astype(np.float64)
+                                   @ values[tiny], rtol=1e-5, atol=0)
 
 
 @pytest.mark.parametrize("fmt", ["bfloat16", "int8"])
@@ -149,7 +212,26 @@ def test_int8_weight_checks_its_parts():
     with pytest.raises(ValueError, match="group_size"):
         mh.Int8Weight.quantize(np.ones((4, 5)), 0)
     q = mh.Int8Weight.quantize(np.zeros((4, 5)))  # all-zero columns: scale 0, values 0
-    assert not q.dequantize().any() and q.nbytes == 20 + 20
+    # values held with the rows padded to a multiple of 8 and the columns to one of 16,
+    # and 5 float32 scales
+    assert not q.dequantize().any() and q.nbytes == 8 * 16 + 5 * 4
+
+
+@pytest.mark.parametrize("k,n", [(1, 1), (7, 5), (13, 17), (16, 32), (130, 1000)])
+def test_int8_weight_gives_back_its_values_and_columns(rng, k, n):
+    """The values are held in the kernels' blocked order (short last passes, padded last
+    column blocks): data and columns give them back in (k, n) order."""
+    data = rng.integers(-127, 128, (k, n)).astype(np.int8)
+    g = min(3, k)
+    scales = rng.random((-(-k // g), n)).astype(np.float32)
+    w = mh.Int8Weight(data, scales, g)
+    np.testing.assert_array_equal(w.data, data)
+    values = data * np.repeat(scales, g, axis=0)[:k]
+    np.testing.assert_array_equal(w.dequantize(), values)
+    ids = rng.integers(0, n, (3, 4))
+    np.testing.assert_array_equal(w.columns(ids), values[:, ids])
+    np.testing.assert_array_equal(w.columns(slice(n // 2, None, 3)), values[:, n // 2::3])
+    np.testing.assert_array_equal(w.columns(n - 1), values[:, n - 1])
 
 
 @pytest.mark.parametrize("fmt", ["bfloat16", "float16", "int8"])

@@ -470,10 +470,9 @@ def linear(x: np.ndarray, w: Any, bias: np.ndarray | None, num_threads: int) -> 
     """
     lead, k = x.shape[:-1], x.shape[-1]
     x2 = _rows_ready(x.reshape(math.prod(lead), k))
-    fmt, data, scales, group = weight_parts(w)
+    fmt, data, scales, group, n = weight_parts(w)
     if fmt >= 0 and x2.dtype != _FLOAT32:  # stored weights serve float32 kernels only
         fmt, data, scales, group = -1, _widened(w).astype(x2.dtype), None, 0
-    n = data.shape[1]
     out = np.empty((x2.shape[0], n), dtype=x2.dtype)
     b = bias if bias is None or bias.flags.c_contiguous else np.ascontiguousarray(bias)
     if k == 0:  # an empty sum: the bias alone
@@ -493,8 +492,9 @@ def linear(x: np.ndarray, w: Any, bias: np.ndarray | None, num_threads: int) -> 
     return out.reshape(lead + (n,))
 
 
-#: (storage code or -1 for x's own dtype, the stored array, int8 scales, int8 group)
-WeightParts = tuple[int, np.ndarray, "np.ndarray | None", int]
+#: (storage code or -1 for x's own dtype, the stored array (int8: in the kernels'
+#: order), int8 scales, int8 group, out_features)
+WeightParts = tuple[int, np.ndarray, "np.ndarray | None", int, int]
 
 
 def project_rows(x2: np.ndarray, parts: WeightParts, bias: np.ndarray | None,
@@ -502,8 +502,8 @@ def project_rows(x2: np.ndarray, parts: WeightParts, bias: np.ndarray | None,
     """``x2 @ w + bias`` for up to FEW_ROWS float32 rows x2 (m, k) with contiguous rows
     and a weight's :func:`weight_parts`: :func:`linear`'s few-rows path without its
     per-call preparation (a decoding step's products, a few microseconds each)."""
-    fmt, data, scales, group = parts
-    out = np.empty((x2.shape[0], data.shape[1]), dtype=np.float32)
+    fmt, data, scales, group, n = parts
+    out = np.empty((x2.shape[0], n), dtype=np.float32)
     if x2.shape[1] == 0:
         out[...] = 0 if bias is None else bias
         return out
@@ -513,14 +513,14 @@ def project_rows(x2: np.ndarray, parts: WeightParts, bias: np.ndarray | None,
 
 def weight_parts(w: Any) -> WeightParts:
     """A weight as the kernels read it: (storage code or -1 for x's own dtype, the stored
-    array, int8 scales, int8 group); a decoder's step works it out once per weight
-    (:func:`project_rows`)."""
+    array, int8 scales, int8 group, out_features); a decoder's step works it out once
+    per weight (:func:`project_rows`)."""
     if isinstance(w, np.ndarray):
-        name = w.dtype.name
+        name, n = w.dtype.name, w.shape[1]
         if name in ("float16", "bfloat16"):
-            return _formats.FORMATS[name].code, _rows_ready(w.view(np.uint16)), None, 0
-        return -1, _rows_ready(w), None, 0
-    return _formats.FORMATS["int8"].code, _rows_ready(w.data), w.scales, w.group_size
+            return _formats.FORMATS[name].code, _rows_ready(w.view(np.uint16)), None, 0, n
+        return -1, _rows_ready(w), None, 0, n
+    return _formats.FORMATS["int8"].code, w._blocked, w.scales, w.group_size, w.shape[1]
 
 
 def _widened(w: Any) -> np.ndarray:

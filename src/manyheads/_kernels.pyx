@@ -430,8 +430,10 @@ def linear(x, w, bias, out, int num_threads, bint check_signals=False, int w_fmt
 
     w is of that dtype too (``w_fmt`` -1), or, for float32, stored in format ``w_fmt``
     (a storage code: float16, bfloat16 as uint16 bits, or int8 with float32 ``scales``
-    (ceil(k / group), n), contiguous).  x, w and out have contiguous rows (row strides are
-    read from the arrays); more than FEW_ROWS rows need the BLAS set by :func:`set_blas`.
+    (ceil(k / group), n), contiguous; int8 values are (k, n padded to a multiple of 16)
+    in the kernels' blocked order, ``Int8Weight``'s storage).  x, w and out have
+    contiguous rows (row strides are read from the arrays; n from out's); more than
+    FEW_ROWS rows need the BLAS set by :func:`set_blas`.
     """
     cdef mh_linear_args a
     cdef Job job
@@ -442,7 +444,7 @@ def linear(x, w, bias, out, int num_threads, bint check_signals=False, int w_fmt
     cdef bint native
     a.m = xa.shape[0]
     a.k = xa.shape[1]
-    a.n = wa.shape[1]
+    a.n = oa.shape[1]  # w's width (int8 in the kernels' order: padded)
     a.x = _data(xa)
     a.x_row = xa.strides[0] // xa.itemsize
     a.w = _data(wa)
@@ -1101,11 +1103,11 @@ cdef class DecodeProgram:
         ins = (buffers[1], buffers[3], buffers[1], buffers[6])
         outs = (buffers[2], buffers[4], buffers[5], buffers[7])
         for j in range(4):
-            fmt, data, scales, group, bias = products[j]
+            fmt, data, scales, group, n, bias = products[j]
             xa, oa = ins[j], outs[j]
             a = &s.lin[j]
             memset(a, 0, sizeof(mh_linear_args))
-            a.m, a.k, a.n = xa.shape[0], xa.shape[1], data.shape[1]
+            a.m, a.k, a.n = xa.shape[0], xa.shape[1], n
             a.x = _data(xa)
             a.x_row = a.k
             a.w = _data(data)

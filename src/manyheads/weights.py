@@ -31,6 +31,11 @@ class Int8Weight:
     ``group_size`` input rows and output column (llama.cpp's Q8_0 uses groups of 32
     along the input).  Build one with :meth:`quantize`.
 
+    The values are held in the order the kernels stream them (passes of eight input
+    rows, each pass one contiguous run of blocks of 16 output columns, a block's rows in
+    pairs side by side), made once at construction; :attr:`data` gives them back in
+    (k, n) order.
+
     Attributes
     ----------
     data : ndarray of int8, shape (k, n)
@@ -38,12 +43,21 @@ class Int8Weight:
     group_size : int
     """
 
-    __slots__ = ("_data", "_scales", "_group_size")
+    __slots__ = ("_blocked", "_scales", "_group_size", "_shape")
 
     def __init__(self, data: np.ndarray, scales: np.ndarray, group_size: int) -> None:
         if not isinstance(data, np.ndarray) or data.dtype != np.int8 or data.ndim != 2:
             raise TypeError("data must be a 2-D int8 array (in_features, out_features)")
         k, n = data.shape
+        self._check(k, n, scales, group_size)
+        self._blocked = _blocked_empty(k, n)
+        _place_columns(self._blocked, 0, data)
+        self._scales = np.ascontiguousarray(scales)
+        self._group_size = int(group_size)
+        self._shape = (int(k), int(n))
+
+    @staticmethod
+    def _check(k: int, n: int, scales: Any, group_size: Any) -> None:
         if (not isinstance(group_size, (int, np.integer)) or isinstance(group_size, bool)
                 or not 1 <= group_size <= max(k, 1)):
             raise ValueError(f"group_size must be an int in [1, {max(k, 1)}], got {group_size!r}")
@@ -51,15 +65,23 @@ class Int8Weight:
         if (not isinstance(scales, np.ndarray) or scales.dtype != np.float32
                 or not scales.dtype.isnative or scales.shape != (groups, n)):
             raise TypeError(f"scales must be a float32 array of shape ({groups}, {n})")
-        self._data = np.ascontiguousarray(data)
-        self._scales = np.ascontiguousarray(scales)
-        self._group_size = int(group_size)
+
+    @classmethod
+    def _from_blocked(cls, blocked: np.ndarray, shape: tuple[int, int], scales: np.ndarray,
+                      group_size: int) -> "Int8Weight":
+        """One of shape (k, n) made of values already in the kernels' order
+        (:func:`_blocked_empty`, :func:`_place_columns`)."""
+        self = cls.__new__(cls)
+        cls._check(shape[0], shape[1], scales, group_size)
+        self._blocked, self._scales = blocked, np.ascontiguousarray(scales)
+        self._group_size, self._shape = int(group_size), (int(shape[0]), int(shape[1]))
+        return self
 
     # read-only: the kernels trust that data, scales and group_size agree
     @property
     def data(self) -> np.ndarray:
-        """The int8 values, (in_features, out_features), C-contiguous."""
-        return self._data
+        """The int8 values, (in_features, out_features): a new C-contiguous array."""
+        return _columns_of(self._blocked, *self._shape, slice(None))
 
     @property
     def scales(self) -> np.ndarray:
@@ -83,27 +105,19 @@ class Int8Weight:
         if not isinstance(g, (int, np.integer)) or isinstance(g, bool) or not 1 <= g <= max(k, 1):
             raise ValueError(f"group_size must be None or an int in [1, {k}], got {group_size!r}")
         g = max(int(g), 1)
-        groups = -(-k // g)
-        data = np.empty((k, n), np.int8)
-        scales = np.empty((groups, n), np.float32)
-        for i in range(groups):
-            part = a[i * g:(i + 1) * g].astype(np.float32)
-            amax = np.max(np.abs(part), axis=0)
-            scale = (amax / np.float32(127)).astype(np.float32)
-            inv = np.divide(np.float32(1), scale, out=np.zeros_like(scale), where=scale > 0)
-            data[i * g:(i + 1) * g] = np.clip(np.rint(part * inv), -127, 127)
-            scales[i] = scale
+        data, scales = _quantized(a, g)
         return cls(data, scales, g)
 
     @property
     def shape(self) -> tuple[int, int]:
         """(in_features, out_features)."""
-        return (int(self.data.shape[0]), int(self.data.shape[1]))
+        return self._shape
 
     @property
     def nbytes(self) -> int:
-        """Bytes held: the int8 values and their scales."""
-        return int(self.data.nbytes + self.scales.nbytes)
+        """Bytes held: the int8 values (in_features padded to a multiple of 8,
+        out_features to a multiple of 16) and their scales."""
+        return int(self._blocked.nbytes + self.scales.nbytes)
 
     def dequantize(self) -> np.ndarray:
         """The float32 weight these values and scales stand for."""
@@ -112,12 +126,72 @@ class Int8Weight:
     def columns(self, cols: Any) -> np.ndarray:
         """Columns ``cols`` (an index or slice of the output axis) as float32, (k, len)."""
         scales = np.repeat(self.scales[:, cols], self.group_size, axis=0)[: self.shape[0]]
-        out: np.ndarray = self.data[:, cols].astype(np.float32) * scales
+        out: np.ndarray = _columns_of(self._blocked, *self._shape, cols).astype(np.float32) * scales
         return out
 
     def __repr__(self) -> str:
         k, n = self.shape
         return f"Int8Weight(shape=({k}, {n}), group_size={self.group_size})"
+
+
+def _quantized(a: np.ndarray, g: int) -> tuple[np.ndarray, np.ndarray]:
+    """``a`` (k, n) as int8 values (k, n) and float32 scales (ceil(k / g), n), symmetric,
+    ``max|a| / 127`` per group of ``g`` rows and column."""
+    k, n = a.shape
+    groups = -(-k // g)
+    data = np.empty((k, n), np.int8)
+    scales = np.empty((groups, n), np.float32)
+    for i in range(groups):
+        part = a[i * g:(i + 1) * g].astype(np.float32)
+        amax = np.max(np.abs(part), axis=0)
+        scale = (amax / np.float32(127)).astype(np.float32)
+        inv = np.divide(np.float32(1), scale, out=np.zeros_like(scale), where=scale > 0)
+        data[i * g:(i + 1) * g] = np.clip(np.rint(part * inv), -127, 127)
+        scales[i] = scale
+    return data, scales
+
+
+# The kernels' order of int8 weight values (csrc/mh_kernels.h, mh_linear_index): the
+# rows in passes of _PASS (k padded with zero rows to a multiple of _PASS), a pass's
+# columns in blocks of _BLOCK (n padded with zero columns to a multiple of _BLOCK), a
+# block's rows in pairs, a pair's columns side by side, the even row's value first.
+_PASS, _BLOCK = 8, 16
+
+
+def _blocked_empty(k: int, n: int) -> np.ndarray:
+    """Zeroed storage for a (k, n) int8 weight in the kernels' order: (k, n) padded."""
+    return np.zeros((-(-k // _PASS) * _PASS, -(-n // _BLOCK) * _BLOCK), np.int8)
+
+
+def _blocked_view(blocked: np.ndarray) -> np.ndarray:
+    """Blocked storage as (pass, column block, pair of rows, column, row of the pair)."""
+    rows, width = blocked.shape
+    return blocked.reshape(rows // _PASS, width // _BLOCK, _PASS // 2, _BLOCK, 2)
+
+
+def _place_columns(blocked: np.ndarray, c0: int, part: np.ndarray) -> None:
+    """Write ``part`` (k, m) as columns [c0, c0 + m) of blocked storage; c0 is a multiple
+    of 16, and so is m unless the columns end the weight."""
+    k, m = part.shape
+    rows = blocked.shape[0]
+    part = np.pad(part, ((0, rows - k), (0, -m % _BLOCK)))
+    b0, b1 = c0 // _BLOCK, (c0 + part.shape[1]) // _BLOCK
+    _blocked_view(blocked)[:, b0:b1] = part.reshape(
+        rows // _PASS, _PASS // 2, 2, b1 - b0, _BLOCK).transpose(0, 3, 1, 4, 2)
+
+
+def _columns_of(blocked: np.ndarray, k: int, n: int, cols: Any) -> np.ndarray:
+    """Columns ``cols`` (an index, slice or integer array of the n columns) of blocked
+    storage of a (k, n) weight as int8, (k,) + the shape of ``cols``'s result."""
+    rows, width = blocked.shape
+    if isinstance(cols, slice) and cols == slice(None):
+        out = _blocked_view(blocked).transpose(0, 2, 4, 1, 3).reshape(rows, width)
+        return np.ascontiguousarray(out[:k, :n])
+    c = np.arange(n)[cols]
+    kk = np.arange(k).reshape((k,) + (1,) * c.ndim)
+    index = (kk // _PASS * _PASS * width + c // _BLOCK * (_PASS * _BLOCK)
+             + kk % _PASS // 2 * (2 * _BLOCK) + c % _BLOCK * 2 + kk % 2)
+    return blocked.reshape(-1)[index]
 
 
 def weight_format(w: Any) -> str:

@@ -19,6 +19,7 @@ from typing import Any, Callable
 import numpy as np
 
 from .. import _formats, weights
+from .. import weights
 from ..weights import Int8Weight, convert_weight
 
 __all__ = ["TensorSource", "Checkpoint", "ArrayTensors", "read_config", "config_int", "config_float",
@@ -170,21 +171,23 @@ class TensorSource:
         if not transposed:  # rows are input features: whole columns need the whole tensor
             return convert_weight(self._rows(name, 0, d_in), target)
         if target == "int8":  # per output column scales: a column is a row of the tensor
-            data = np.empty((d_in, d_out), np.int8)
+            blocked = weights._blocked_empty(d_in, d_out)  # placed in the kernels' order
             scales = np.empty((1, d_out), np.float32)
         else:
             out = np.empty((d_in, d_out), _formats.FORMATS[target].dtype)
-        rows = max(16, _READ_BYTES // max(1, d_in * first.dtype.itemsize))
+        # whole blocks of the int8 order's columns at a time
+        rows = max(16, _READ_BYTES // max(1, d_in * first.dtype.itemsize)) // 16 * 16
         for start in range(0, d_out, rows):
             cols = slice(start, min(start + rows, d_out))
             block = self._rows(name, cols.start, cols.stop).T
             if target == "int8":
-                q = Int8Weight.quantize(block)
-                data[:, cols] = q.data
-                scales[:, cols] = q.scales
+                values, scales[:, cols] = weights._quantized(block, max(d_in, 1))
+                weights._place_columns(blocked, start, values)
             else:
                 out[:, cols] = block
-        return Int8Weight(data, scales, d_in) if target == "int8" else out
+        if target == "int8":
+            return Int8Weight._from_blocked(blocked, (d_in, d_out), scales, max(d_in, 1))
+        return out
 
 
 class ArrayTensors(TensorSource):
