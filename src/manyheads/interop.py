@@ -40,8 +40,9 @@ DEFAULT_CONTEXT_LENGTH = 1024  # when the source records none
 SUPPORTED = (
     "torch.nn.MultiheadAttention, the book's MultiHeadAttention (W_query/W_key/W_value/"
     "out_proj Linear layers with num_heads), the book's MultiHeadAttentionWrapper (a `heads` "
-    "list of single-head modules), Hugging Face GPT-2 attention (c_attn/c_proj) and Hugging "
-    "Face decoder attention (q_proj/k_proj/v_proj/o_proj with a config)"
+    "list of single-head modules), Hugging Face GPT-2 attention (c_attn/c_proj), Hugging "
+    "Face decoder attention (q_proj/k_proj/v_proj/o_proj with a config), and BLOOM, Falcon "
+    "(query_key_value/dense) and MPT (Wqkv/out_proj) attention with their ALiBi"
 )
 
 
@@ -105,6 +106,11 @@ def _kind(m: Any) -> str:
     if all(hasattr(m, a) for a in ("q_proj", "k_proj", "v_proj", "o_proj", "config",
                                    "head_dim")):
         return "hf_decoder"
+    if all(hasattr(m, a) for a in ("query_key_value", "dense", "num_heads", "head_dim",
+                                   "inv_norm_factor")):
+        return "bloom_falcon"
+    if all(hasattr(m, a) for a in ("Wqkv", "out_proj", "n_heads", "head_dim", "softmax_scale")):
+        return "mpt"
     if all(hasattr(m, a) for a in ("W_query", "W_key", "W_value", "out_proj", "num_heads")):
         return "book_fused"
     heads = getattr(m, "heads", None)
@@ -150,6 +156,10 @@ def fused_weights(m: Any, dtype: Any = np.float32) -> FusedWeights:
                     scale=float(scale), dropout=0.0)
     if kind == "hf_decoder":
         return _hf_decoder_weights(m, dtype)
+    if kind == "bloom_falcon":
+        return _bloom_falcon_weights(m, dtype)
+    if kind == "mpt":
+        return _mpt_weights(m, dtype)
     if kind == "book_fused":
         W_q, b_q = _linear(m.W_query, dtype)
         W_k, b_k = _linear(m.W_key, dtype)
@@ -235,6 +245,83 @@ def _hf_decoder_weights(m: Any, dtype: Any) -> FusedWeights:
                         window=None if window is None else int(window))
 
 
+def _bloom_falcon_weights(m: Any, dtype: Any) -> FusedWeights:
+    """A BLOOM or Falcon attention layer: one fused query_key_value projection, dense.
+
+    BLOOM (and Falcon with ``alibi``) add ALiBi with the paper's slopes; BLOOM to the
+    scaled scores, Falcon before the scale, so its slopes are scaled too.  Falcon
+    rounds its slopes to bfloat16, and so does this; it also rounds each position's
+    bias (slope times distance) to bfloat16, which a slope cannot say: exact where the
+    products are (8 heads or fewer), within 2^-9 of each bias elsewhere.  Falcon
+    without ALiBi rotates by plain rotary embeddings.  query_key_value's rows are head
+    by head (q, k, v) for BLOOM and Falcon's first layout, (q heads of a key/value
+    head, k, v) per key/value head for Falcon's new decoder architecture, or all the q
+    heads, then one k and one v head with ``multi_query``."""
+    from .modules import alibi_slopes
+
+    cfg = getattr(m, "config", None)  # Falcon keeps its config; BLOOM does not
+    falcon = getattr(cfg, "model_type", None) == "falcon"
+    H, D = int(m.num_heads), int(m.head_dim)
+    W, b = _linear(m.query_key_value, dtype)  # (d_in, rows of the fused projection)
+    d_in = W.shape[0]
+
+    def split(a: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+        lead = a.shape[:-1]
+        if falcon and cfg.new_decoder_architecture:
+            Hkv = int(cfg.num_kv_heads)
+            heads = a.reshape(lead + (Hkv, H // Hkv + 2, D))
+            return (heads[..., :-2, :].reshape(lead + (H * D,)),
+                    heads[..., -2, :].reshape(lead + (Hkv * D,)),
+                    heads[..., -1, :].reshape(lead + (Hkv * D,)), Hkv)
+        if falcon and cfg.multi_query:
+            return a[..., :H * D], a[..., H * D:(H + 1) * D], a[..., (H + 1) * D:], 1
+        heads = a.reshape(lead + (H, 3, D))
+        return tuple(heads[..., i, :].reshape(lead + (H * D,)) for i in range(3)) + (H,)  # type: ignore[return-value]
+
+    W_q, W_k, W_v, _ = split(W)
+    b_q, b_k, b_v = (None, None, None) if b is None else split(b)[:3]
+    W_out, b_out = _linear(m.dense, dtype)
+    scale = float(m.inv_norm_factor)
+    alibi = bool(cfg.alibi) if falcon else True
+    slopes = None
+    if alibi and falcon:  # Falcon rounds its slopes to bfloat16 (and each bias too)
+        import torch
+
+        slopes = torch.tensor(alibi_slopes(H), dtype=torch.float32).bfloat16().double() \
+            .numpy() * scale
+    elif alibi:
+        slopes = alibi_slopes(H)
+    drop = getattr(getattr(m, "attention_dropout", None), "p", 0.0)
+    return FusedWeights(d_in=d_in, d_out=H * D, num_heads=H, W_q=W_q, W_k=W_k, W_v=W_v,
+                        b_q=b_q, b_k=b_k, b_v=b_v, W_out=W_out, b_out=b_out, scale=scale,
+                        dropout=float(drop),
+                        rope_theta=None if alibi or not falcon else _hf_rope_theta(cfg),
+                        alibi_slopes=None if slopes is None else slopes.astype(dtype))
+
+
+def _mpt_weights(m: Any, dtype: Any) -> FusedWeights:
+    """An MPT attention layer: Wqkv (q, k, v side by side), out_proj, ALiBi with MPT's
+    slopes (2^(-8 i / n) for i = 1 .. n, n the power of two at or above the heads;
+    for fewer heads than n, the odd-numbered ones first, then the even-numbered)."""
+    if getattr(m, "clip_qkv", None):
+        raise TypeError("MPT attention with clip_qkv (its q, k and v clamped) cannot be "
+                        "imported")
+    H, D = int(m.n_heads), int(m.head_dim)
+    W, b = _linear(m.Wqkv, dtype)
+    W_out, b_out = _linear(m.out_proj, dtype)
+    n = 1 << max(0, (H - 1).bit_length())
+    slopes = 2.0 ** (-8.0 * np.arange(1, n + 1) / n)
+    if n != H:
+        slopes = np.concatenate([slopes[1::2], slopes[::2]])[:H]
+    E = H * D
+    return FusedWeights(d_in=W.shape[0], d_out=E, num_heads=H, W_q=W[:, :E], W_k=W[:, E:2 * E],
+                        W_v=W[:, 2 * E:], b_q=None if b is None else b[:E],
+                        b_k=None if b is None else b[E:2 * E],
+                        b_v=None if b is None else b[2 * E:], W_out=W_out, b_out=b_out,
+                        scale=float(m.softmax_scale), dropout=float(m.attn_dropout_p or 0.0),
+                        alibi_slopes=slopes.astype(dtype))
+
+
 def import_module(m: Any, *, causal: bool | None,
                   dtype: Any = np.float32) -> tuple[FusedWeights, int, bool]:
     """(weights, context length, batch_first) of PyTorch module ``m`` for the modules' from_torch.
@@ -261,6 +348,8 @@ def context_length_of(m: Any, default: int = DEFAULT_CONTEXT_LENGTH) -> int:
     mask = getattr(m, "mask", None)
     if mask is not None and hasattr(mask, "shape") and len(mask.shape) == 2:
         return int(mask.shape[-1])
+    if getattr(m, "max_seq_length", None):  # MPT
+        return int(m.max_seq_length)
     cfg = getattr(m, "config", None)
     for name in ("n_positions", "max_position_embeddings"):
         if cfg is not None and getattr(cfg, name, None):

@@ -947,7 +947,8 @@ class MultiHeadAttention(_AttentionModule):
             Gemma 2, gpt-oss and the like: grouped heads, biases, the layer's
             scaling, sliding window, soft cap and sinks, plain rotary embeddings
             and the output width come along; per-head q/k norms and scaled
-            rotary embeddings are refused).  Anything else raises TypeError.
+            rotary embeddings are refused), or BLOOM, Falcon or MPT attention
+            (their ALiBi slopes come along).  Anything else raises TypeError.
         causal : bool
             Required for ``nn.MultiheadAttention``, which does not record it
             (its mask comes at call time): True for a decoder, False for an
