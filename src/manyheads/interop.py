@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["FusedWeights", "fused_weights", "import_module", "context_length_of",
+__all__ = ["FusedWeights", "fused_weights", "import_module", "context_length_of", "alibi_slopes",
            "tensor_to_numpy", "SUPPORTED", "DEFAULT_CONTEXT_LENGTH"]
 
 DEFAULT_CONTEXT_LENGTH = 1024  # when the source records none
@@ -95,6 +95,16 @@ def _linear(layer: Any, dtype: Any) -> tuple[np.ndarray, np.ndarray | None]:
     w = tensor_to_numpy(layer.weight, dtype).T
     b = None if getattr(layer, "bias", None) is None else tensor_to_numpy(layer.bias, dtype)
     return w, b
+
+
+def alibi_slopes(num_heads: int) -> np.ndarray:
+    """The ALiBi paper's slopes for ``num_heads`` heads, float64: the geometric sequence
+    2^(-8/n), 2^(-16/n), ... for the largest power of two n <= num_heads, then, for the
+    heads past n, every other slope of the sequence for 2n."""
+    n = 1 << (int(num_heads).bit_length() - 1)
+    slopes = [2.0 ** (-8.0 * (i + 1) / n) for i in range(n)]
+    slopes += [2.0 ** (-8.0 * (2 * i + 1) / (2 * n)) for i in range(num_heads - n)]
+    return np.array(slopes)
 
 
 def _kind(m: Any) -> str:
@@ -257,29 +267,27 @@ def _bloom_falcon_weights(m: Any, dtype: Any) -> FusedWeights:
     by head (q, k, v) for BLOOM and Falcon's first layout, (q heads of a key/value
     head, k, v) per key/value head for Falcon's new decoder architecture, or all the q
     heads, then one k and one v head with ``multi_query``."""
-    from .modules import alibi_slopes
-
-    cfg = getattr(m, "config", None)  # Falcon keeps its config; BLOOM does not
+    cfg: Any = getattr(m, "config", None)  # Falcon keeps its config; BLOOM does not
     falcon = getattr(cfg, "model_type", None) == "falcon"
     H, D = int(m.num_heads), int(m.head_dim)
     W, b = _linear(m.query_key_value, dtype)  # (d_in, rows of the fused projection)
-    d_in = W.shape[0]
 
-    def split(a: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+    def split(a: np.ndarray) -> list[np.ndarray]:
+        """q, k and v of the fused projection's last axis."""
         lead = a.shape[:-1]
         if falcon and cfg.new_decoder_architecture:
             Hkv = int(cfg.num_kv_heads)
             heads = a.reshape(lead + (Hkv, H // Hkv + 2, D))
-            return (heads[..., :-2, :].reshape(lead + (H * D,)),
+            return [heads[..., :-2, :].reshape(lead + (H * D,)),
                     heads[..., -2, :].reshape(lead + (Hkv * D,)),
-                    heads[..., -1, :].reshape(lead + (Hkv * D,)), Hkv)
+                    heads[..., -1, :].reshape(lead + (Hkv * D,))]
         if falcon and cfg.multi_query:
-            return a[..., :H * D], a[..., H * D:(H + 1) * D], a[..., (H + 1) * D:], 1
+            return [a[..., :H * D], a[..., H * D:(H + 1) * D], a[..., (H + 1) * D:]]
         heads = a.reshape(lead + (H, 3, D))
-        return tuple(heads[..., i, :].reshape(lead + (H * D,)) for i in range(3)) + (H,)  # type: ignore[return-value]
+        return [heads[..., i, :].reshape(lead + (H * D,)) for i in range(3)]
 
-    W_q, W_k, W_v, _ = split(W)
-    b_q, b_k, b_v = (None, None, None) if b is None else split(b)[:3]
+    W_q, W_k, W_v = split(W)
+    b_q, b_k, b_v = [None, None, None] if b is None else split(b)
     W_out, b_out = _linear(m.dense, dtype)
     scale = float(m.inv_norm_factor)
     alibi = bool(cfg.alibi) if falcon else True
@@ -292,7 +300,7 @@ def _bloom_falcon_weights(m: Any, dtype: Any) -> FusedWeights:
     elif alibi:
         slopes = alibi_slopes(H)
     drop = getattr(getattr(m, "attention_dropout", None), "p", 0.0)
-    return FusedWeights(d_in=d_in, d_out=H * D, num_heads=H, W_q=W_q, W_k=W_k, W_v=W_v,
+    return FusedWeights(d_in=W.shape[0], d_out=H * D, num_heads=H, W_q=W_q, W_k=W_k, W_v=W_v,
                         b_q=b_q, b_k=b_k, b_v=b_v, W_out=W_out, b_out=b_out, scale=scale,
                         dropout=float(drop),
                         rope_theta=None if alibi or not falcon else _hf_rope_theta(cfg),

@@ -28,7 +28,7 @@ from ._validate import (FLOAT_DTYPES, FLOAT_DTYPES_TEXT, check_bool, check_dropo
                         check_float_dtype, check_int, check_optional_int, check_optional_real,
                         rng_from_seed, seed_value)
 from .cache import CacheStep, KVCache
-from .interop import FusedWeights
+from .interop import FusedWeights, alibi_slopes
 
 __all__ = ["CausalAttention", "StackedMultiHeadAttention", "MultiHeadAttention"]
 
@@ -86,16 +86,6 @@ _REPR_ALWAYS = ("d_in", "d_out", "context_length", "dropout", "num_heads", "qkv_
 _REPR_DEFAULTS: dict[str, Any] = {"causal": True, "window": None, "rope_theta": None,
                                   "batch_first": True, "out_proj": True, "scale": None,
                                   "softcap": None, "sinks": False, "alibi": False}
-
-
-def alibi_slopes(num_heads: int) -> np.ndarray:
-    """The ALiBi paper's slopes for ``num_heads`` heads, float64: the geometric sequence
-    2^(-8/n), 2^(-16/n), ... for the largest power of two n <= num_heads, then, for the
-    heads past n, every other slope of the sequence for 2n."""
-    n = 1 << (int(num_heads).bit_length() - 1)
-    slopes = [2.0 ** (-8.0 * (i + 1) / n) for i in range(n)]
-    slopes += [2.0 ** (-8.0 * (2 * i + 1) / (2 * n)) for i in range(num_heads - n)]
-    return np.array(slopes)
 
 
 class _AttentionModule:

@@ -191,7 +191,8 @@ def _columns_of(blocked: np.ndarray, k: int, n: int, cols: Any) -> np.ndarray:
     kk = np.arange(k).reshape((k,) + (1,) * c.ndim)
     index = (kk // _PASS * _PASS * width + c // _BLOCK * (_PASS * _BLOCK)
              + kk % _PASS // 2 * (2 * _BLOCK) + c % _BLOCK * 2 + kk % 2)
-    return blocked.reshape(-1)[index]
+    values: np.ndarray = blocked.reshape(-1)[index]
+    return values
 
 
 def weight_format(w: Any) -> str:
