@@ -13,9 +13,9 @@
  * of FN(eight_rows), then the remaining rows one multiply-add each.  int8 takes a
  * pass of eight rows as integers: the pass's eight x values are rounded to 16-bit
  * integers with one scale (FN(i8_pass_x): at most half a step of their largest
- * magnitude / 32767 off), each column's eight products are summed exactly (16-bit
- * multiply-adds of pairs), and the sum times the scale is added to the column's total
- * with one multiply-add; rows before the first whole pass of a group (groups of a
+ * magnitude / 32767 off), each column's eight products are summed exactly in 32-bit
+ * integers (16-bit multiply-adds of pairs), and that sum, rounded to T, times the
+ * scale is added to the column's total with one multiply-add; rows before the first whole pass of a group (groups of a
  * size not a multiple of 8) or after the last (in the middle of w), and passes with
  * a value that is not finite or tiny, are widened and added one multiply-add each.
  * An int8 group's total is multiplied by the group's scale and added to the output
@@ -123,9 +123,9 @@ MH_INLINE int FN(i8_pass_x)(const T *x, int n, T *scale, V *xp, int16_t *q)
     }
     *scale = 0;
     if (m == 0) return 1;
-    if (m < 0x1p-100f) return 0;
+    if (m < 7.8886090522101181e-31f) return 0; /* 2^-100 */
     const float inv = 32767.0f / m;
-    for (int i = 0; i < 8; ++i) q[i] = (int16_t)lrintf(v[i] * inv);
+    for (int i = 0; i < 8; ++i) q[i] = (int16_t)rintf(v[i] * inv); /* |q| <= 32767 */
     *scale = (T)(m / 32767.0f);
 #if MH_HAS_I8_PAIRS
     for (int j = 0; j < 4; ++j) {

@@ -330,6 +330,23 @@ t.start(); t.join()
     assert res.returncode == 0 and res.stdout.strip() == "ok", res.stderr[-2000:]
 
 
+@pytest.mark.parametrize("widths", [(32, 16, 5), (5, 32), (16,)])
+def test_join_columns_joins_int8_weights_in_their_order(rng, widths):
+    """Joined int8 weights (q, k and v side by side) hold each part's values and scales:
+    passes side by side when the parts fill whole column blocks, else through (k, n)."""
+    from manyheads.weights import join_columns
+    k = 21  # a short last pass
+    parts = [mh.Int8Weight.quantize(rng.standard_normal((k, n)), 8) for n in widths]
+    joined = join_columns(parts)
+    assert joined.shape == (k, sum(widths)) and joined.group_size == 8
+    np.testing.assert_array_equal(joined.data, np.concatenate([p.data for p in parts], axis=1))
+    np.testing.assert_array_equal(joined.dequantize(),
+                                  np.concatenate([p.dequantize() for p in parts], axis=1))
+    x = rng.standard_normal((2, k)).astype(np.float32)
+    np.testing.assert_array_equal(mh.linear(x, joined),
+                                  np.concatenate([mh.linear(x, p) for p in parts], axis=1))
+
+
 def test_join_columns_widens_mixed_float_formats_and_refuses_int8_with_floats(rng):
     from manyheads.weights import join_columns
     ml_dtypes = pytest.importorskip("ml_dtypes")

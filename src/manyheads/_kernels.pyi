@@ -67,7 +67,8 @@ def linear(x: _FloatArray, w: np.ndarray, bias: _FloatArray | None, out: _FloatA
            num_threads: int, check_signals: bool = ..., w_fmt: int = ...,
            scales: np.ndarray | None = ..., group: int = ...) -> None:
     """out (m, n) = x (m, k) @ w (k, n) (+ bias), rows contiguous; w of x's dtype or
-    stored in format w_fmt (int8 with scales per group of rows)."""
+    stored in format w_fmt (int8 with scales per group of rows, its values in the
+    kernels' blocked order: Int8Weight's storage)."""
 class AttentionCall:
     """One attention call: its plan (made once, at construction, by the C planner)
     and the C struct of arguments the kernels read.

@@ -444,7 +444,7 @@ def linear(x, w, bias, out, int num_threads, bint check_signals=False, int w_fmt
     cdef bint native
     a.m = xa.shape[0]
     a.k = xa.shape[1]
-    a.n = oa.shape[1]  # w's width (int8 in the kernels' order: padded)
+    a.n = oa.shape[1]  # not w's: int8 values in the kernels' order have padded rows
     a.x = _data(xa)
     a.x_row = xa.strides[0] // xa.itemsize
     a.w = _data(wa)
@@ -1070,7 +1070,8 @@ cdef class DecodeProgram:
         """Layer i: dims (B, d, H, Hkv, D, F); buffers x, h, qkv, att, o, gu, act, dn, tmp
         (float32, C-contiguous; layers may share them, as they run in turn); norms
         (attn, mlp, post_attn, post_mlp, q, k), None where absent; products: four (w
-        storage code or -1, data, scales, group, bias) for qkv, out, gate-up and down."""
+        storage code or -1, data, scales, group, n, bias) for qkv, out, gate-up and
+        down (``_core.weight_parts`` and the bias; n the output width)."""
         cdef LayerStep *s = &self.layers[i]
         cdef mh_linear_args *a
         cdef LinearPlan p

@@ -233,10 +233,20 @@ def join_columns(parts: list[Any]) -> Any:
     holds each exactly."""
     if all(isinstance(p, Int8Weight) for p in parts):
         groups = {p.group_size for p in parts}
-        if len(groups) != 1:
-            raise ValueError("int8 weights joined side by side need one group size")
-        return Int8Weight(np.concatenate([p.data for p in parts], axis=1),
-                          np.concatenate([p.scales for p in parts], axis=1), groups.pop())
+        ks = {p.shape[0] for p in parts}
+        if len(groups) != 1 or len(ks) != 1:
+            raise ValueError("int8 weights joined side by side need one group size and "
+                             "one number of rows")
+        k, group = ks.pop(), groups.pop()
+        scales = np.concatenate([p.scales for p in parts], axis=1)
+        n = sum(p.shape[1] for p in parts)
+        if k and all(p.shape[1] % _BLOCK == 0 for p in parts[:-1]):
+            # a pass of the join is the parts' passes side by side: no unblocking
+            passes = -(-k // _PASS)
+            blocked = np.concatenate([p._blocked.reshape(passes, -1) for p in parts], axis=1)
+            return Int8Weight._from_blocked(blocked.reshape(passes * _PASS, -1), (k, n),
+                                            scales, group)
+        return Int8Weight(np.concatenate([p.data for p in parts], axis=1), scales, group)
     formats = {weight_format(p) for p in parts}
     if "int8" in formats and len(formats) > 1:
         raise TypeError("int8 weights can only be joined side by side with int8 weights")

@@ -19,7 +19,6 @@ from typing import Any, Callable
 import numpy as np
 
 from .. import _formats, weights
-from .. import weights
 from ..weights import Int8Weight, convert_weight
 
 __all__ = ["TensorSource", "Checkpoint", "ArrayTensors", "read_config", "config_int", "config_float",
