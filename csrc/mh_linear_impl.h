@@ -15,9 +15,11 @@
  * integers with one scale (FN(i8_pass_x): at most half a step of their largest
  * magnitude / 32767 off), each column's eight products are summed exactly in 32-bit
  * integers (16-bit multiply-adds of pairs), and that sum, rounded to T, times the
- * scale is added to the column's total with one multiply-add; rows before the first whole pass of a group (groups of a
- * size not a multiple of 8) or after the last (in the middle of w), and passes with
- * a value that is not finite or tiny, are widened and added one multiply-add each.
+ * scale is added to the column's total with one multiply-add; rows before the first
+ * whole pass of a group (groups of a size not a multiple of 8) or after the last (in
+ * the middle of w), and passes with a value that is not finite or tiny, are widened
+ * and added one multiply-add each.  A column past the last whole vector is summed as
+ * the vector of the padded storage that holds it.
  * An int8 group's total is multiplied by the group's scale and added to the output
  * after the group.  The same arithmetic in every column, so the column blocking never
  * changes a bit.
@@ -36,9 +38,6 @@ MH_INLINE V FN(w_load)(const int fmt, const void *w, int64_t i)
 #endif
 #if MH_HAS_BF16_LOAD
     if (fmt == MH_STORE_BF16) return V_LOAD_BF16((const uint16_t *)w + i);
-#endif
-#if MH_HAS_I8_LOAD
-    if (fmt == MH_STORE_I8) return V_LOAD_I8((const int8_t *)w + i);
 #endif
     T lanes[VW];
     for (int l = 0; l < VW; ++l) lanes[l] = (T)mh_weight_at(fmt, w, i + l);
@@ -257,70 +256,48 @@ MH_INLINE void FN(linear_rows_block)(const int fmt, const mh_linear_args *a, int
             V_STORE(dst + r * dst_row + v * VW, V_LOAD(acc[r] + v * VW));
 }
 
-/* The sums of FN(linear_accumulate_i8) for the one column c and input row r over rows
-   [k0, k1), in lane 0 of a vector (so the arithmetic is the vector lanes' own). */
-MH_INLINE V FN(i8_column)(const mh_linear_args *a, int64_t c, int r, int64_t k0, int64_t k1)
-{
-    const T *x = (const T *)a->x + r * a->x_row;
-    const int8_t *w = (const int8_t *)a->w;
-    V part = V_ZERO();
-    int64_t kk = k0;
-#define MH_ONE_ROW(row) part = V_FMA(V_SET1(x[row]), V_SET1((T)w[mh_linear_index(a, (row), c)]), part)
-    for (; kk < k1 && (kk & 7); ++kk) MH_ONE_ROW(kk);
-    for (; kk < k1 && (kk + 8 <= k1 || k1 == a->k); kk += 8) {
-        const int n = k1 - kk < 8 ? (int)(k1 - kk) : 8;
-        T scale;
-        V xp[4];
-        int16_t q[8];
-        if (!FN(i8_pass_x)(x + kk, n, &scale, xp, q)) {
-            for (int i = 0; i < n; ++i) MH_ONE_ROW(kk + i);
-            continue;
-        }
-        if (scale == 0) continue;
-        const int8_t *p = w + mh_linear_index(a, kk, c);
-        int32_t sum = 0;
-        for (int j = 0; j < 4; ++j)
-            sum += (int32_t)q[2 * j] * p[32 * j] + (int32_t)q[2 * j + 1] * p[32 * j + 1];
-        part = V_FMA(V_SET1((T)sum), V_SET1(scale), part);
-    }
-    for (; kk < k1; ++kk) MH_ONE_ROW(kk);
-#undef MH_ONE_ROW
-    return part;
-}
-
-/* One column c < VW-wide tail over rows [k0, k1) of w, lane 0 of a vector (so the
-   arithmetic is the vector lanes' own), into dst (rows dst_row apart). */
+/* One column c of the < VW-wide tail over rows [k0, k1) of w, into dst (rows dst_row
+   apart), with the arithmetic of the vector lanes: float weights in lane 0 of a
+   vector, int8 as the padded storage's vector that holds c. */
 static void FN(linear_rows_column)(const mh_linear_args *a, int64_t c, int R, int64_t k0,
                                    int64_t k1, T *dst, int64_t dst_row, int with_bias)
 {
     const T *x = (const T *)a->x, *bias = with_bias ? (const T *)a->bias : NULL;
     const int fmt = a->w_fmt;
-    const int64_t group = fmt == MH_STORE_I8 ? a->group : a->k;
     T lanes[VW];
-    for (int r = 0; r < R; ++r) {
-        V acc = V_SET1(bias ? bias[c] : (T)0);
+    if (fmt == MH_STORE_I8) { /* the padded vector holding c, summed as the blocks are */
+        const int64_t cv = c - c % VW;
+        T sums[MH_FEW_ROWS][VW];
+        V acc[MH_FEW_ROWS];
+        for (int r = 0; r < R; ++r) acc[r] = V_SET1(bias ? bias[c] : (T)0);
         for (int64_t g0 = k0, g1; g0 < k1; g0 = g1) {
-            g1 = (g0 / group + 1) * group < k1 ? (g0 / group + 1) * group : k1;
-            if (fmt == MH_STORE_I8) {
-                acc = V_FMA(V_SET1((T)a->w_scales[(g0 / group) * a->n + c]),
-                            FN(i8_column)(a, c, r, g0, g1), acc);
-                continue;
-            }
-            V part = acc;
-            int64_t kk = g0;
-            for (; kk + 8 <= g1; kk += 8) { /* as FN(linear_accumulate) */
-                V xs[8], ws[8];
-                for (int i = 0; i < 8; ++i) {
-                    xs[i] = V_SET1(x[r * a->x_row + kk + i]);
-                    ws[i] = V_SET1((T)mh_weight_at(fmt, a->w, mh_linear_index(a, kk + i, c)));
-                }
-                part = FN(eight_rows)(xs, ws, part);
-            }
-            for (; kk < g1; ++kk)
-                part = V_FMA(V_SET1(x[r * a->x_row + kk]),
-                             V_SET1((T)mh_weight_at(fmt, a->w, mh_linear_index(a, kk, c))), part);
-            acc = part;
+            g1 = (g0 / a->group + 1) * a->group < k1 ? (g0 / a->group + 1) * a->group : k1;
+            for (int r = 0; r < R; ++r) V_STORE(sums[r], V_ZERO());
+            FN(linear_accumulate_i8)(a, cv, 1, R, g0, g1, sums[0], VW);
+            for (int r = 0; r < R; ++r)
+                acc[r] = V_FMA(V_SET1((T)a->w_scales[(g0 / a->group) * a->n + c]),
+                               V_SET1(sums[r][c - cv]), acc[r]);
         }
+        for (int r = 0; r < R; ++r) {
+            V_STORE(lanes, acc[r]);
+            dst[r * dst_row] = lanes[0];
+        }
+        return;
+    }
+    for (int r = 0; r < R; ++r) { /* float weights: FN(linear_accumulate)'s arithmetic */
+        V acc = V_SET1(bias ? bias[c] : (T)0);
+        int64_t kk = k0;
+        for (; kk + 8 <= k1; kk += 8) {
+            V xs[8], ws[8];
+            for (int i = 0; i < 8; ++i) {
+                xs[i] = V_SET1(x[r * a->x_row + kk + i]);
+                ws[i] = V_SET1((T)mh_weight_at(fmt, a->w, (kk + i) * a->w_row + c));
+            }
+            acc = FN(eight_rows)(xs, ws, acc);
+        }
+        for (; kk < k1; ++kk)
+            acc = V_FMA(V_SET1(x[r * a->x_row + kk]),
+                        V_SET1((T)mh_weight_at(fmt, a->w, kk * a->w_row + c)), acc);
         V_STORE(lanes, acc);
         dst[r * dst_row] = lanes[0];
     }

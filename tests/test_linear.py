@@ -139,6 +139,22 @@ def test_weights_in_their_own_precision_match_the_oracle(rng, fmt, rows):
     np.testing.assert_allclose(got, ref, rtol=0, atol=2e-4)
 
 
+@pytest.mark.parametrize("group", [None, 7])
+def test_int8_columns_past_the_last_whole_vector_get_the_vectors_bits(rng, group):
+    """The first columns of an int8 weight give the same bits whatever the width, so the
+    ragged tail (summed as the padded vector that holds it) agrees with whole vectors,
+    special passes (inf, a tiny pass, zeros) included."""
+    k, n = 45, 48
+    full = mh.Int8Weight.quantize(rng.standard_normal((k, n)).astype(np.float32), group)
+    x = rng.standard_normal((3, k)).astype(np.float32)
+    x[0, 5], x[1, 16:24], x[2, 24:32] = np.inf, np.float32(1e-33), 0
+    b = rng.standard_normal(n).astype(np.float32)
+    want = mh.linear(x, full, b)
+    for width in range(1, n):
+        part = mh.Int8Weight(full.data[:, :width], full.scales[:, :width], full.group_size)
+        np.testing.assert_array_equal(mh.linear(x, part, b[:width]), want[:, :width])
+
+
 @pytest.mark.parametrize("rows", [1, 4])
 def test_int8_passes_the_integers_cannot_hold_are_added_in_floats(rng, rows):
     """A pass of x with a value that is not finite, or whose largest magnitude is tiny
