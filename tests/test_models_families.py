@@ -16,6 +16,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
+ml_dtypes = pytest.importorskip("ml_dtypes")
 
 from manyheads.models import from_pretrained  # noqa: E402
 from test_models import (VOCAB, assert_logits_close, hf_greedy, hf_logits,  # noqa: E402
@@ -343,9 +344,9 @@ def test_the_decode_steps_are_the_general_step_bit_for_bit(pair, monkeypatch):
     family allows (SwiGLU blocks: all but Gemma's GeGLU) and otherwise takes
     DecoderAttention.decode (the weights' kernel layout kept, the cache attended
     directly).  Both must give the logits of the general module path exactly, in every
-    cache format the model's head size allows (int4 needs a multiple of 32; float16
-    caches are not compiled), with the sliding layers' rings wrapping (11 + 10 tokens
-    through windows of 8) and two rows at once."""
+    cache format the model's head size allows (int4 needs a multiple of 32), with the
+    sliding layers' rings wrapping (11 + 10 tokens through windows of 8) and two rows at
+    once."""
     from manyheads.models import llama
 
     family, _, _, model = pair
@@ -373,11 +374,12 @@ def test_the_decode_steps_are_the_general_step_bit_for_bit(pair, monkeypatch):
             out.append(z)
         return out
 
-    formats = [None, "float16", "int8"] + (["int4"] if model.head_dim % 32 == 0 else [])
+    formats = [None, "float16", ml_dtypes.bfloat16, "int8"] + (["int4"] if model.head_dim % 32 == 0
+                                                     else [])
     monkeypatch.setattr(llama.Llama, "_decode_step", counted_step)
     monkeypatch.setattr(llama.DecoderAttention, "decode", counted_lean)
     first = [steps(f) for f in formats]
-    compiled = 0 if family.startswith("gemma") else 10 * (len(formats) - 1)  # not float16
+    compiled = 0 if family.startswith("gemma") else 10 * len(formats)
     assert used == {"compiled": compiled,
                     "lean": (10 * len(formats) - compiled) * model.num_layers}
     monkeypatch.setattr(llama.Llama, "_decode_step", lambda self, caches, rows: None)
@@ -465,3 +467,47 @@ def test_a_replaced_weight_is_read_by_the_next_compiled_step(pair, monkeypatch):
     compiled = steps()
     monkeypatch.setattr(llama.Llama, "_decode_step", lambda self, caches, rows: None)
     np.testing.assert_array_equal(compiled, steps())
+
+
+def test_a_float16_cache_overflow_in_the_compiled_step_raises_as_the_lean_path(
+        pair, monkeypatch):
+    """A new key past float16's range in the last layer: the compiled step stores nothing
+    from that layer on and gives way to the lean path, which raises its ValueError; the
+    caches end as the lean path alone leaves them, bit for bit."""
+    from manyheads.models import _step, llama
+
+    family, _, _, model = pair
+    if family.startswith("gemma"):  # GeGLU: never compiled
+        return
+    attn = model.blocks[-1].attn
+    before = attn.W_qkv
+    ids = np.arange(7)[None] % VOCAB
+    voided = []
+    call = _step.CompiledStep.__call__
+
+    def counted_call(self, x, caches):
+        y = call(self, x, caches)
+        voided.append(y is None)
+        return y
+
+    def run():
+        caches = model.new_caches(1, 9, "float16")
+        model.logits(ids, caches=caches)
+        model.logits(ids[:, :1], caches=caches)
+        attn.W_qkv = before * np.float32(1e6)  # its keys and values pass 65504
+        try:
+            with pytest.raises(ValueError, match="float16 cache holds values up to 65504"):
+                model.logits(ids[:, 1:2], caches=caches)
+        finally:
+            attn.W_qkv = before
+        return caches
+
+    monkeypatch.setattr(_step.CompiledStep, "__call__", counted_call)
+    compiled = run()
+    assert voided == [False, True]  # the first step ran compiled, the second was void
+    monkeypatch.setattr(llama.Llama, "_decode_step", lambda self, caches, rows: None)
+    lean = run()
+    for a, b in zip(compiled, lean):
+        assert len(a) == len(b)
+        np.testing.assert_array_equal(a.keys, b.keys)
+        np.testing.assert_array_equal(a.values, b.values)

@@ -17,6 +17,8 @@ cdef extern from "mh_kernels.h" nogil:
         MH_STORE_F64
         MH_STORE_I8
         MH_STORE_I4
+        MH_STORE_F16
+        MH_STORE_BF16
         MH_MASK_NONE
         MH_MASK_BOOL
         MH_MASK_ADD
@@ -163,6 +165,8 @@ cdef extern from "mh_kernels.h" nogil:
     const mh_kernel_table *mh_kernels(int isa)
     void mh_quantize_i8(const float *x, int64_t rows, int64_t n, int8_t *q, float *scale)
     void mh_quantize_i4(const float *x, int64_t rows, int64_t n, uint8_t *q, uint16_t *pairs)
+    uint16_t mh_float_to_half(float f)
+    uint16_t mh_float_to_bf16(float f)
     void mh_rms_norm_rows(const float *x, int64_t rows, int64_t n, int64_t x_row,
                           const float *w, float eps, float *out, int64_t out_row)
     void mh_rotate_heads(float *x, int64_t B, int64_t H, int64_t T, int64_t sb, int64_t sh,

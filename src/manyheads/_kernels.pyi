@@ -146,6 +146,9 @@ class DecodeProgram:
     def run(self, calls: list[Any], angles: list[Any], slots: list[int],
             caches: list[Any]) -> int:
         """One token through every layer; how often the first thread waited over 1 ms."""
+    @property
+    def overflowed(self) -> bool:
+        """Whether the last run found a key or value its float16 cache cannot hold."""
 
 def read_sum(data: npt.NDArray[np.float32], num_threads: int) -> float:
     """Sum of data, read in contiguous runs on manyheads' threads (a read-rate measure)."""

@@ -901,6 +901,7 @@ cdef struct LayerStep:
     int64_t kv_s[3]      # byte strides (batch, head, slot) of keys and values
     int64_t sc_s[3]      # ... and of their scales
     int64_t slot
+    int *overflow        # the program's flag: a float16 cache could not hold a new value
     void (*exp_f32)(const float *x, float *y, int64_t n) noexcept nogil
 
 
@@ -940,9 +941,25 @@ cdef void _st_store(LayerStep *s, const float *src, char *data, char *scales, in
         mh_quantize_i8(src, 1, s.D, <int8_t *>at, <float *>sat)
     elif s.kv_fmt == MH_STORE_I4:
         mh_quantize_i4(src, 1, s.D, <uint8_t *>at, <uint16_t *>sat)
+    elif s.kv_fmt == MH_STORE_F16:
+        for j in range(s.D):
+            (<uint16_t *>at)[j] = mh_float_to_half(src[j])
+    elif s.kv_fmt == MH_STORE_BF16:
+        for j in range(s.D):
+            (<uint16_t *>at)[j] = mh_float_to_bf16(src[j])
     else:
         for j in range(s.D):
             (<float *>at)[j] = src[j]
+
+
+cdef bint _half_overflows(const float *x, int64_t n) noexcept nogil:
+    """Whether a finite value of x[0, n) rounds to float16 infinity (as NumPy's cast
+    overflows)."""
+    cdef int64_t j
+    for j in range(n):
+        if isfinite(x[j]) and (mh_float_to_half(x[j]) & 0x7fff) == 0x7c00:
+            return True
+    return False
 
 
 cdef void _st_qkv(LayerStep *s) noexcept nogil:
@@ -956,13 +973,21 @@ cdef void _st_qkv(LayerStep *s) noexcept nogil:
     for b in range(s.B):
         row = s.qkv + b * s.n_qkv
         kp = row + s.H * s.D
-        vp = kp + s.Hkv * s.D
         if s.q_norm != NULL:
             mh_rms_norm_rows(row, s.H, s.D, s.D, s.q_norm, s.eps, row, s.D)
             mh_rms_norm_rows(kp, s.Hkv, s.D, s.D, s.k_norm, s.eps, kp, s.D)
         if s.rot_n:
             mh_rotate_heads(row, 1, s.H, 1, 0, s.D, 0, 1, s.rot_n, s.cos, s.sin)
             mh_rotate_heads(kp, 1, s.Hkv, 1, 0, s.D, 0, 1, s.rot_n, s.cos, s.sin)
+    if s.kv_fmt == MH_STORE_F16 and not s.overflow[0]:
+        for b in range(s.B):  # the keys and values of every row, before any is stored
+            if _half_overflows(s.qkv + b * s.n_qkv + s.H * s.D, 2 * s.Hkv * s.D):
+                s.overflow[0] = 1
+    if s.overflow[0]:  # this layer and those after it store nothing: the run is void
+        return
+    for b in range(s.B):
+        kp = s.qkv + b * s.n_qkv + s.H * s.D
+        vp = kp + s.Hkv * s.D
         for hd in range(s.Hkv):
             _st_store(s, kp + hd * s.D, s.kc, s.ksc, b, hd)
             _st_store(s, vp + hd * s.D, s.vc, s.vsc, b, hd)
@@ -1044,6 +1069,7 @@ cdef class DecodeProgram:
     cdef list _keep
     cdef object _partial  # the products' chunk sums, one buffer for all (run in turn)
     cdef int64_t _partial_elems
+    cdef int _overflow    # the last run found a value a float16 cache cannot hold
 
     def __cinit__(self, int n_layers, int num_threads):
         self.n_layers = n_layers
@@ -1129,6 +1155,12 @@ cdef class DecodeProgram:
             self.jobs[6 * i + j].lin = a
             self.jobs[6 * i + j].rows = _table.linear_rows_f32
         s.exp_f32 = _table.exp_f32
+        s.overflow = &self._overflow
+
+    @property
+    def overflowed(self):
+        """Whether the last run found a key or value its float16 cache cannot hold."""
+        return bool(self._overflow)
 
     cdef int _set_cache(self, LayerStep *s, tuple cache) except -1:
         """The layer's cache for this run: (storage code, keys, values, key scales, value
@@ -1151,7 +1183,10 @@ cdef class DecodeProgram:
         ``caches[i]`` its cache's arrays (see _set_cache); none is kept after the run.
         Returns how often the first thread waited more than a millisecond for the
         others; more than twice, and the calls of the next CONTENDED_SECONDS plan as
-        contended (:func:`contended`)."""
+        contended (:func:`contended`).  Where a float16 cache cannot hold a new key or
+        value (it would round to infinity), that layer and the later ones store
+        nothing and :attr:`overflowed` is set: the run is void (the caller must not
+        advance the caches)."""
         global _contended_until
         cdef int i, n = 0
         cdef long yields
@@ -1196,6 +1231,7 @@ cdef class DecodeProgram:
             n = self._items(n, &self.jobs[6 * i + 3], _rows_item, s.items[3])
             n = self._serial(n, _st_down, s)
         memset(self.counters, 0, n * sizeof(long))
+        self._overflow = 0
         raw = malloc(stride * self.nt + MH_SCRATCH_ALIGN)
         if raw == NULL:
             raise MemoryError("cannot allocate the kernels' scratch")

@@ -13,7 +13,9 @@ those of :meth:`~manyheads.models.llama.DecoderAttention.decode` and
 
 What it covers: float32 activations, up to FEW_ROWS rows, any weight format,
 SwiGLU blocks (optionally with post-norms and per-head query/key norms), caches in
-float32, int8 or int4 without padding. Anything else takes the blocks' own decode.
+float32, float16, bfloat16, int8 or int4 without padding. Anything else takes the blocks'
+own decode (so does a step whose new key or value a float16 cache cannot hold: the blocks'
+decode then raises its ValueError).
 """
 from __future__ import annotations
 
@@ -30,7 +32,7 @@ from ._decoder import prepared
 __all__ = ["CompiledStep", "COMPILED_CACHE_FORMATS"]
 
 #: cache storage formats the compiled step writes itself
-COMPILED_CACHE_FORMATS = ("float32", "int8", "int4")
+COMPILED_CACHE_FORMATS = ("float32", "float16", "bfloat16", "int8", "int4")
 
 
 def _blocks_compile(blocks: Sequence[Any], silu: Any) -> bool:
@@ -112,8 +114,10 @@ class CompiledStep:
     def __call__(self, x: np.ndarray, caches: Sequence[KVCache]) -> np.ndarray | None:
         """The residual stream after every block for one token a row, x (B, 1, d), through
         ``caches`` (those it was built for): a new array; the caches advance by one
-        token.  None, with nothing changed, when a cache holds padding or some layer's
-        attention is planned in a layout the step does not lay out."""
+        token.  None, and the caches not advanced, when a cache holds padding, some
+        layer's attention is planned in a layout the step does not lay out, or a new key
+        or value rounds to infinity in a float16 cache (the slots past the caches' ends
+        may then have been written: the blocks' decode writes them again)."""
         B = self.rows
         if any(c._any_padding for c in caches):
             return None
@@ -143,6 +147,8 @@ class CompiledStep:
                 held.append(c)
             self.x[...] = x.reshape(B, -1)
             self.program.run(calls, angles, slots, arrays)
+            if self.program.overflowed:  # void: the blocks' decode says why
+                return None
             for c, slot in zip(caches, slots):
                 c.padding[:, slot] = False
                 c._len += 1
