@@ -392,15 +392,17 @@ void mh_quantize_i4(const float *x, int64_t rows, int64_t n, uint8_t *q, uint16_
    time calls and the compiled decoding step.  RMSNorm of `rows` rows of n values
    (sums of squares in double); the rotary rotation of x (B, H, T, D) at element
    strides (sb, sh, st, sd): features (i, i + n) of each row become (a cos - e sin,
-   e cos + a sin) with its position's cos and sin (T, n), contiguous; SwiGLU's
-   silu(g) * u for the halves (g, u) of each row of gu (rows, 2 F), by the kernel
-   path's exp (silu(g) is g * 0 where exp(-g) would overflow). */
+   e cos + a sin) with its position's cos and sin (T, n), contiguous; a gated MLP's
+   act(g) * u for the halves (g, u) of each row of gu (rows, 2 F), act SiLU or (gelu)
+   GELU's tanh form, each as g * sigmoid(a) by the kernel path's exp (g * 0 where
+   exp(-a) would overflow). */
 void mh_rms_norm_rows(const float *x, int64_t rows, int64_t n, int64_t x_row,
                       const float *w, float eps, float *out, int64_t out_row);
 void mh_rotate_heads(float *x, int64_t B, int64_t H, int64_t T, int64_t sb, int64_t sh,
                      int64_t st, int64_t sd, int64_t n, const float *cos, const float *sin);
-void mh_silu_mul_rows(const float *gu, int64_t rows, int64_t F, int64_t gu_row, float *out,
-                      int64_t out_row, void (*exp_f32)(const float *x, float *y, int64_t n));
+void mh_gated_rows(const float *gu, int64_t rows, int64_t F, int64_t gu_row, int gelu,
+                   float *out, int64_t out_row,
+                   void (*exp_f32)(const float *x, float *y, int64_t n));
 
 /* A barrier for the n threads of one parallel region that spins instead of sleeping
    (a compiled decoding step meets at it hundreds of times a token, a few microseconds

@@ -56,17 +56,29 @@ void mh_rotate_heads(float *x, int64_t B, int64_t H, int64_t T, int64_t sb, int6
             }
 }
 
-void mh_silu_mul_rows(const float *gu, int64_t rows, int64_t F, int64_t gu_row, float *out,
-                      int64_t out_row, void (*exp_f32)(const float *x, float *y, int64_t n))
+/* The sigmoid's argument of a gated activation: g (SiLU), or 2 sqrt(2/pi) (g + 0.044715
+   g^3) (GELU's tanh form: (1 + tanh(t)) / 2 = 1 / (1 + exp(-2 t))). */
+static inline float mh_gate_arg(float g, int gelu)
+{
+    return gelu ? (g * g * 0.044715f + 1.0f) * g * 1.5957691216057308f : g;
+}
+
+void mh_gated_rows(const float *gu, int64_t rows, int64_t F, int64_t gu_row, int gelu,
+                   float *out, int64_t out_row,
+                   void (*exp_f32)(const float *x, float *y, int64_t n))
 {
     for (int64_t i = 0; i < rows; ++i) {
         const float *g = gu + i * gu_row, *u = g + F;
         float *o = out + i * out_row;
-        /* exp(-g), its argument clamped where it would overflow (NaN stays NaN) */
-        for (int64_t j = 0; j < F; ++j) o[j] = -g[j] < 88.0f ? -g[j] : 88.0f;
+        /* exp(-a), its argument clamped where it would overflow (NaN stays NaN) */
+        for (int64_t j = 0; j < F; ++j) {
+            const float na = -mh_gate_arg(g[j], gelu);
+            o[j] = na < 88.0f ? na : 88.0f;
+        }
         if (F) exp_f32(o, o, F);
         for (int64_t j = 0; j < F; ++j)
-            o[j] = -g[j] < 88.0f ? g[j] / (1.0f + o[j]) * u[j] : g[j] * 0.0f * u[j];
+            o[j] = -mh_gate_arg(g[j], gelu) < 88.0f ? g[j] / (1.0f + o[j]) * u[j]
+                                                    : g[j] * 0.0f * u[j];
     }
 }
 

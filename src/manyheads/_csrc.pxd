@@ -171,9 +171,9 @@ cdef extern from "mh_kernels.h" nogil:
                           const float *w, float eps, float *out, int64_t out_row)
     void mh_rotate_heads(float *x, int64_t B, int64_t H, int64_t T, int64_t sb, int64_t sh,
                          int64_t st, int64_t sd, int64_t n, const float *cos, const float *sin)
-    void mh_silu_mul_rows(const float *gu, int64_t rows, int64_t F, int64_t gu_row, float *out,
-                          int64_t out_row,
-                          void (*exp_f32)(const float *x, float *y, int64_t n) noexcept nogil)
+    void mh_gated_rows(const float *gu, int64_t rows, int64_t F, int64_t gu_row, int gelu,
+                       float *out, int64_t out_row,
+                       void (*exp_f32)(const float *x, float *y, int64_t n) noexcept nogil)
     ctypedef struct mh_team_barrier_t:
         long count, gen
     int mh_team_barrier(mh_team_barrier_t *b, int n)

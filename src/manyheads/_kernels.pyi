@@ -131,8 +131,10 @@ def rotate_heads(x: npt.NDArray[np.float32], cos: npt.NDArray[np.float32],
                  sin: npt.NDArray[np.float32]) -> None:
     """Rotate float32 x (B, H, T, D) in place (rotate_half layout on 2 * n features)."""
 
-def silu_mul(gu: npt.NDArray[np.float32], out: npt.NDArray[np.float32]) -> None:
-    """out = silu(g) * u for the halves (g, u) of each row of gu (m, 2 F); out (m, F)."""
+def gated_mul(gu: npt.NDArray[np.float32], out: npt.NDArray[np.float32],
+              gelu: bool = False) -> None:
+    """out = act(g) * u for the halves (g, u) of each row of gu (m, 2 F); out (m, F);
+    act SiLU, or GELU's tanh form with ``gelu``."""
 
 def contended() -> bool:
     """Whether threads were found without a core less than CONTENDED_SECONDS ago."""
@@ -141,7 +143,8 @@ class DecodeProgram:
     """One decoding step of a Llama-shaped decoder, compiled into phases of one region."""
     def __init__(self, n_layers: int, num_threads: int) -> None: ...
     def set_layer(self, i: int, dims: tuple[int, ...], eps: float, buffers: tuple[Any, ...],
-                  norms: tuple[Any, ...], products: tuple[Any, ...]) -> None:
+                  norms: tuple[Any, ...], products: tuple[Any, ...],
+                  gelu: bool = False) -> None:
         """Layer i's sizes, buffers, norms and products."""
     def run(self, calls: list[Any], angles: list[Any], slots: list[int],
             caches: list[Any]) -> int:

@@ -855,17 +855,19 @@ def rotate_heads(cnp.ndarray x, const float[:, ::1] cos, const float[:, ::1] sin
             mh_rotate_heads(p, B, H, T, sb, sh, st, sd, n, &cos[0, 0], &sin[0, 0])
 
 
-def silu_mul(const float[:, ::1] gu, float[:, ::1] out):
-    """out = silu(g) * u row by row, where g and u are the two halves of each row of gu
-    (m, 2 F) and out is (m, F): ``g / (1 + exp(-g)) * u``, exp by the current path's
-    vector exp.  Where exp(-g) would overflow (-g > 88) silu(g) is g * 0 (-0.0, or NaN
-    for g = -inf), as float32 arithmetic gives there."""
+def gated_mul(const float[:, ::1] gu, float[:, ::1] out, bint gelu=False):
+    """out = act(g) * u row by row, where g and u are the two halves of each row of gu
+    (m, 2 F) and out is (m, F): ``g / (1 + exp(-a)) * u`` with a = g (SiLU) or, with
+    ``gelu``, a = 2 sqrt(2/pi) (g + 0.044715 g^3) (GELU's tanh form, 0.5 g (1 +
+    tanh(a / 2))), exp by the current path's vector exp.  Where exp(-a) would overflow
+    (-a > 88) act(g) is g * 0 (-0.0, or NaN for g = -inf), as float32 arithmetic gives
+    there."""
     if gu.shape[0] != out.shape[0] or gu.shape[1] != 2 * out.shape[1]:
-        raise ValueError("silu_mul: gu must be (m, 2 F) for out (m, F)")
+        raise ValueError("gated_mul: gu must be (m, 2 F) for out (m, F)")
     if gu.shape[0] and out.shape[1]:
         with nogil:
-            mh_silu_mul_rows(&gu[0, 0], gu.shape[0], out.shape[1], gu.shape[1], &out[0, 0],
-                             out.shape[1], _table.exp_f32)
+            mh_gated_rows(&gu[0, 0], gu.shape[0], out.shape[1], gu.shape[1], gelu, &out[0, 0],
+                          out.shape[1], _table.exp_f32)
 
 
 # ---- a compiled decoding step: every layer of one token in one parallel region ----------
@@ -901,6 +903,7 @@ cdef struct LayerStep:
     int64_t kv_s[3]      # byte strides (batch, head, slot) of keys and values
     int64_t sc_s[3]      # ... and of their scales
     int64_t slot
+    int gelu             # the gated MLP's activation: GELU's tanh form (else SiLU)
     int *overflow        # the program's flag: a float16 cache could not hold a new value
     void (*exp_f32)(const float *x, float *y, int64_t n) noexcept nogil
 
@@ -1001,7 +1004,7 @@ cdef void _st_out(LayerStep *s) noexcept nogil:
 
 cdef void _st_gate(LayerStep *s) noexcept nogil:
     _merge_product(s, 2)
-    mh_silu_mul_rows(s.gu, s.B, s.F, 2 * s.F, s.act, s.F, s.exp_f32)
+    mh_gated_rows(s.gu, s.B, s.F, 2 * s.F, s.gelu, s.act, s.F, s.exp_f32)
 
 
 cdef void _st_down(LayerStep *s) noexcept nogil:
@@ -1092,12 +1095,13 @@ cdef class DecodeProgram:
         free(self.counters)
 
     def set_layer(self, int i, tuple dims, float eps, tuple buffers, tuple norms,
-                  tuple products):
+                  tuple products, bint gelu=False):
         """Layer i: dims (B, d, H, Hkv, D, F); buffers x, h, qkv, att, o, gu, act, dn, tmp
         (float32, C-contiguous; layers may share them, as they run in turn); norms
         (attn, mlp, post_attn, post_mlp, q, k), None where absent; products: four (w
         storage code or -1, data, scales, group, n, bias) for qkv, out, gate-up and
-        down (``_core.weight_parts`` and the bias; n the output width)."""
+        down (``_core.weight_parts`` and the bias; n the output width); ``gelu``: the
+        gated MLP's activation is GELU's tanh form (:func:`gated_mul`), else SiLU."""
         cdef LayerStep *s = &self.layers[i]
         cdef mh_linear_args *a
         cdef LinearPlan p
@@ -1112,6 +1116,7 @@ cdef class DecodeProgram:
         s.F = dims[5]
         s.n_qkv = (s.H + 2 * s.Hkv) * s.D
         s.eps = eps
+        s.gelu = gelu
         s.x = _f32(buffers[0])
         s.h = _f32(buffers[1])
         s.qkv = _f32(buffers[2])

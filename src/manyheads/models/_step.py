@@ -12,7 +12,8 @@ those of :meth:`~manyheads.models.llama.DecoderAttention.decode` and
 (a test compares them for every family and cache format).
 
 What it covers: float32 activations, up to FEW_ROWS rows, any weight format,
-SwiGLU blocks (optionally with post-norms and per-head query/key norms), caches in
+SwiGLU and GeGLU (GELU's tanh form) blocks (optionally with post-norms and per-head
+query/key norms), caches in
 float32, float16, bfloat16, int8 or int4 without padding. Anything else takes the blocks'
 own decode (so does a step whose new key or value a float16 cache cannot hold: the blocks'
 decode then raises its ValueError).
@@ -28,6 +29,7 @@ from .. import _config, _core, _kernels
 from .._formats import FORMATS
 from ..cache import KVCache
 from ._decoder import prepared
+from .gpt2 import gelu_tanh
 
 __all__ = ["CompiledStep", "COMPILED_CACHE_FORMATS"]
 
@@ -36,10 +38,11 @@ COMPILED_CACHE_FORMATS = ("float32", "float16", "bfloat16", "int8", "int4")
 
 
 def _blocks_compile(blocks: Sequence[Any], silu: Any) -> bool:
-    """Whether every block is one the compiled step reproduces."""
+    """Whether every block is one the compiled step reproduces (SwiGLU or GeGLU with
+    GELU's tanh form)."""
     for b in blocks:
         a = b.attn
-        if b.act is not silu or a.sinks is not None or a.alibi_slopes is not None:
+        if (b.act is not silu and b.act is not gelu_tanh) or a.sinks is not None or a.alibi_slopes is not None:
             return False
         if a.qk_norm is not None and a.eps != b.eps:
             return False
@@ -81,7 +84,8 @@ class CompiledStep:
             products = tuple(prepared(owner, name) + (bias,) for owner, name, bias in (
                 (a, "W_qkv", a.b_qkv), (a, "W_out", a.b_out), (b, "w_gate_up", b.b_gate_up),
                 (b, "w_down", b.b_down)))
-            self.program.set_layer(i, (B, d, H, Hkv, D, F), b.eps, bufs, norms, products)
+            self.program.set_layer(i, (B, d, H, Hkv, D, F), b.eps, bufs, norms, products,
+                                   b.act is gelu_tanh)
             self.layers.append((a, bufs[2][:, :H * D].reshape(B, H, 1, D),
                                 bufs[3].reshape(B, H, 1, D)))
 

@@ -148,11 +148,11 @@ class LlamaBlock:
 
     def _gated(self, gu: np.ndarray) -> np.ndarray:
         """act(gate) * up of the packed (..., 2 d_ff) projection: one compiled pass for
-        SwiGLU in float32 (a new array either way)."""
+        SwiGLU and GELU-tanh GeGLU in float32 (a new array either way)."""
         F = self.d_ff
-        if self.act is silu and gu.dtype == np.float32 and gu.flags.c_contiguous:
+        if self.act in (silu, gelu_tanh) and gu.dtype == np.float32 and gu.flags.c_contiguous:
             out = np.empty(gu.shape[:-1] + (F,), np.float32)
-            _kernels.silu_mul(gu.reshape(-1, 2 * F), out.reshape(-1, F))
+            _kernels.gated_mul(gu.reshape(-1, 2 * F), out.reshape(-1, F), self.act is gelu_tanh)
             return out
         gate = self.act(gu[..., :F])
         gate *= gu[..., F:]
