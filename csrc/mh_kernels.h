@@ -247,6 +247,7 @@ typedef void (*mh_merge_fn)(const mh_attn_args *args, int64_t pair, void *scratc
    Every output element is summed over k in the same order whatever the
    tiling and thread count, so results are reproducible bit for bit. */
 #define MH_LINEAR_BLOCK_BYTES 32768 /* of a row of w per few-rows block (4 rows' sums: 128 KiB) */
+#define MH_LINEAR_PREFETCH_RUN 3072 /* bytes: rows of w read in runs this short are prefetched */
 
 /* Fortran BLAS gemm (column-major), as SciPy's cython_blas exposes it. */
 typedef void (*mh_sgemm_fn)(const char *transa, const char *transb, const int *m, const int *n,
