@@ -428,7 +428,7 @@ def test_the_compiled_step_on_one_thread_and_never_with_more_threads_than_cores(
 
     monkeypatch.setattr(llama.Llama, "_decode_step", counted_step)
     ids = np.arange(9)[None] % VOCAB
-    before = mh.get_num_threads()
+    before = mh.show_config("dicts")["num_threads_set"]  # the setting (None: OpenMP's)
     try:
         results = {}
         for threads in (1, _config.cores() + 1):

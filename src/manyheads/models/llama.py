@@ -408,8 +408,9 @@ class Llama(DecoderModel):
         return ", ".join(parts)
 
     def _decode_step(self, caches: list[KVCache], rows: int) -> CompiledStep | None:
-        if _kernels.contended():  # a thread lacked a core: the spinning step would wait
-            return None
+        # (also when threads were lately found without a core: the lean path measured no
+        # faster then, with other processes on the cores, and 1.2-1.6x slower when a
+        # virtual machine's cores are taken away for milliseconds at a time)
         step: CompiledStep | None = self.__dict__.get("_step")
         if step is not None and step.matches(self.blocks, caches, rows):
             return step
