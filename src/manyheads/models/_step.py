@@ -13,10 +13,9 @@ those of :meth:`~manyheads.models.llama.DecoderAttention.decode` and
 
 What it covers: float32 activations, up to FEW_ROWS rows, any weight format,
 SwiGLU and GeGLU (GELU's tanh form) blocks (optionally with post-norms and per-head
-query/key norms), caches in
-float32, float16, bfloat16, int8 or int4 without padding. Anything else takes the blocks'
-own decode (so does a step whose new key or value a float16 cache cannot hold: the blocks'
-decode then raises its ValueError).
+query/key norms), caches in float32, float16, bfloat16, int8 or int4 without padding.
+Anything else takes the blocks' own decode (so does a step whose new key or value a
+float16 cache cannot hold: the blocks' decode then raises its ValueError).
 """
 from __future__ import annotations
 
@@ -42,7 +41,9 @@ def _blocks_compile(blocks: Sequence[Any], silu: Any) -> bool:
     GELU's tanh form)."""
     for b in blocks:
         a = b.attn
-        if (b.act is not silu and b.act is not gelu_tanh) or a.sinks is not None or a.alibi_slopes is not None:
+        if b.act is not silu and b.act is not gelu_tanh:
+            return False
+        if a.sinks is not None or a.alibi_slopes is not None:
             return False
         if a.qk_norm is not None and a.eps != b.eps:
             return False
