@@ -248,6 +248,10 @@ typedef void (*mh_merge_fn)(const mh_attn_args *args, int64_t pair, void *scratc
    tiling and thread count, so results are reproducible bit for bit. */
 #define MH_LINEAR_BLOCK_BYTES 32768 /* of a row of w per few-rows block (4 rows' sums: 128 KiB) */
 #define MH_LINEAR_PREFETCH_RUN 3072 /* bytes: rows of w read in runs this short are prefetched */
+/* what a few-rows pass asks for ahead of its reads (mh_linear_impl.h, FN(pass_cols)) */
+#define MH_PASS_AHEAD_NONE 0
+#define MH_PASS_AHEAD_ROWS 1 /* a line of each of the next pass's rows at a time */
+#define MH_PASS_AHEAD_RUN 2  /* the next pass's rows as one run, in order */
 
 /* Fortran BLAS gemm (column-major), as SciPy's cython_blas exposes it. */
 typedef void (*mh_sgemm_fn)(const char *transa, const char *transb, const int *m, const int *n,
