@@ -393,6 +393,49 @@ def test_the_decode_steps_are_the_general_step_bit_for_bit(pair, monkeypatch):
             np.testing.assert_array_equal(b, c, err_msg=f"cache {fmt}")
 
 
+def test_the_compiled_step_follows_truncated_caches_and_changed_settings(pair, monkeypatch):
+    """The compiled step keeps each layer's attention call from token to token, planned
+    again for one key more.  Caches rolled back mid-stream, and a module setting changed
+    between tokens, must still give the lean path's logits bit for bit."""
+    from manyheads.models import llama
+
+    family, _, _, model = pair
+    ids = np.stack([np.arange(5), np.arange(5)[::-1] * 3]) % VOCAB
+    attn = model.blocks[0].attn
+    used = []
+    compiled_step = llama.Llama._decode_step
+
+    def counted_step(self, caches, rows):
+        step = compiled_step(self, caches, rows)
+        used.append(step is not None)
+        return step
+
+    def steps():
+        caches = model.new_caches(2, 12)
+        z = model.logits(ids, caches=caches, last_only=True)
+        out = []
+        for i in range(6):
+            if i == 3:  # back to 6 tokens, and a soft cap on the first layer from now on
+                for c in caches:
+                    c.truncate(6)
+                attn.softcap = 5.0
+            tok = np.argmax(z[:, -1], axis=-1)[:, None]
+            z = model.logits(tok, caches=caches, last_only=True)
+            out.append(z)
+        attn.softcap = before
+        return out
+
+    before = attn.softcap
+    monkeypatch.setattr(llama.Llama, "_decode_step", counted_step)
+    compiled = steps()
+    assert used == [True] * 6
+    monkeypatch.setattr(llama.Llama, "_decode_step", lambda self, caches, rows: None)
+    lean = steps()
+    for a, b in zip(compiled, lean):
+        np.testing.assert_array_equal(a, b)
+    assert not np.array_equal(compiled[3], compiled[2])
+
+
 def test_the_compiled_step_keeps_no_cache_alive(pair):
     """The model remembers its compiled step between tokens, but refers to the caches
     weakly: a generation's caches are freed when the caller drops them."""

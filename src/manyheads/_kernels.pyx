@@ -548,6 +548,8 @@ cdef class AttentionCall:
     cdef const mh_kernel_table *table
     cdef bint is_f64
     cdef list _keep
+    cdef object _parts      # the split partial sums of the latest run (see _prepare)
+    cdef int _requested     # threads asked for
     cdef int64_t *_offsets  # 10 tables: q, k, v, out, mask, k_scale, v_scale, alibi, sinks, lse
     cdef int64_t _table_len
 
@@ -575,6 +577,7 @@ cdef class AttentionCall:
         d.weights = weights
         d.dropout = dropout
         d.split = split
+        self._requested = threads
         d.threads = _share(threads)
         d.contended = _contended()
         mh_plan_attention(d, self.table.caps_f64 if float64 else self.table.caps_f32,
@@ -696,6 +699,31 @@ cdef class AttentionCall:
         log-sum-exp."""
         self._operand(&self.a.lse, 9, lse, n_batch)
 
+    def retarget(self, int64_t kv_len, object causal_offset, int64_t window=0):
+        """The next token of a decoding stream: the same operands, now ``kv_len`` keys
+        and values long (the caller keeps their arrays' rows that long, from the same
+        first row), the query at ``causal_offset`` (None: no causal limit) with the
+        window; planned again for them.  False, and the call unusable, where the new
+        plan would serve the pairs otherwise (a new group or pair count): build a new
+        call then."""
+        cdef int64_t group = self.plan.group, pairs = self.plan.n_pairs
+        if kv_len < 1 or self.a.weights != NULL or self.a.dropout_p > 0 or \
+                self.a.mask.base != NULL:
+            return False
+        self.desc.kv_len = kv_len
+        self.desc.threads = _share(self._requested)
+        self.desc.contended = _contended()
+        mh_plan_attention(&self.desc, self.table.caps_f64 if self.is_f64 else self.table.caps_f32,
+                          &self.plan)
+        if self.plan.group != group or self.plan.n_pairs != pairs:
+            return False
+        self.a.kv_len = kv_len
+        if causal_offset is None:
+            self.a.causal.enabled = 0
+        else:
+            self.set_causal(causal_offset, window)
+        return True
+
     def set_dropout(self, double p, uint64_t seed):
         self.a.dropout_p = p
         self.a.seed = seed
@@ -720,7 +748,7 @@ cdef class AttentionCall:
         job.stride = p.scratch_stride
         if p.n_split:
             parts = np.empty(p.partial_elems, dtype=np.float64 if self.is_f64 else np.float32)
-            self._keep.append(parts)
+            self._parts = parts
             rows = p.n_items * self.a.q_len * p.group  # (items, rows) maxima and sums
             self.a.split.acc = _data(parts)
             self.a.split.row_max = <char *>_data(parts) + elem * rows * self.a.v_dim

@@ -19,6 +19,7 @@ float16 cache cannot hold: the blocks' decode then raises its ValueError).
 """
 from __future__ import annotations
 
+import operator
 import weakref
 from typing import Any, Sequence
 
@@ -50,6 +51,12 @@ def _blocks_compile(blocks: Sequence[Any], silu: Any) -> bool:
     return True
 
 
+#: the arrays of a block the program reads, in _weights' order
+_block_weights = operator.attrgetter(
+    "attn.W_qkv", "attn.W_out", "attn.b_qkv", "attn.b_out", "attn.qk_norm", "w_gate_up",
+    "b_gate_up", "w_down", "b_down", "norm_attn", "norm_mlp", "post_attn", "post_mlp")
+
+
 class CompiledStep:
     """One model's decoding step over one list of caches, for ``rows`` rows.  It refers
     to the caches weakly and hands their arrays to each run only, so it never keeps a
@@ -62,6 +69,9 @@ class CompiledStep:
         self.rows = rows
         self.num_threads = num_threads
         self.weights = self._weights()
+        # per layer, once a token has run: its attention call (retargeted to each next
+        # token), the cache arrays it reads and the module settings it was built with
+        self._calls: list[tuple[Any, tuple[Any, ...], tuple[Any, ...]]] | None = None
         B = rows
         d = self.blocks[0].norm_attn.shape[0]
         self.x = np.empty((B, d), np.float32)
@@ -93,9 +103,7 @@ class CompiledStep:
     def _weights(self) -> tuple[Any, ...]:
         """Every array the program reads of the blocks (compared by identity: one
         replaced by assignment means a new program)."""
-        return tuple(w for b in self.blocks for w in (
-            b.attn.W_qkv, b.attn.W_out, b.attn.b_qkv, b.attn.b_out, b.attn.qk_norm, b.w_gate_up,
-            b.b_gate_up, b.w_down, b.b_down, b.norm_attn, b.norm_mlp, b.post_attn, b.post_mlp))
+        return tuple(w for b in self.blocks for w in _block_weights(b))
 
     @classmethod
     def serves(cls, blocks: Sequence[Any], caches: Sequence[KVCache], rows: int,
@@ -114,7 +122,7 @@ class CompiledStep:
                 and all(r() is c for r, c in zip(self.cache_refs, caches))
                 and all(b is c for b, c in zip(blocks, self.blocks))
                 and _config.resolve_num_threads(None) == self.num_threads
-                and all(w is v for w, v in zip(self._weights(), self.weights)))
+                and all(map(operator.is_, self._weights(), self.weights)))
 
     def __call__(self, x: np.ndarray, caches: Sequence[KVCache]) -> np.ndarray | None:
         """The residual stream after every block for one token a row, x (B, 1, d), through
@@ -127,21 +135,37 @@ class CompiledStep:
         if any(c._any_padding for c in caches):
             return None
         calls, angles, slots, arrays = [], [], [], []
-        for (a, q, out), c in zip(self.layers, caches):
-            a._check_cache_call(c, None, B, 1)
+        built = self._calls
+        kept = []
+        for i, ((a, q, out), c) in enumerate(zip(self.layers, caches)):
+            stored = (c.keys, c.values, c.key_scales, c.value_scales)
+            settings = (a.scale, a.softcap, a.window, a.causal)
+            # the last token's call over the same arrays with the same settings is planned
+            # again for one key more: the layout work of a new call and the cache's checks
+            # were most of a step's Python time
+            last = built[i] if built is not None else None
+            same = last is not None and all(map(operator.is_, stored, last[1])) and \
+                settings == last[2]
+            if not same or len(c) + 1 > a.context_length:
+                a._check_cache_call(c, None, B, 1)
             slot, n, offset, window = c._decode_slot()
-            st = c._stored(slice(None), slice(0, n))
-            scale = 1.0 / np.sqrt(a.head_dim) if a.scale is None else a.scale
-            call = _core.decode_call(q, st.k, st.v, st.k_scale, st.v_scale, scale=scale,
-                                     causal_offset=offset, window=window, softcap=a.softcap,
-                                     num_threads=self.num_threads, out=out)
+            call = last[0] if same and last[0].retarget(n, offset, window or 0) else None
             if call is None:
-                return None
+                st = c._stored(slice(None), slice(0, n))
+                scale = 1.0 / np.sqrt(a.head_dim) if a.scale is None else a.scale
+                call = _core.decode_call(q, st.k, st.v, st.k_scale, st.v_scale, scale=scale,
+                                         causal_offset=offset, window=window,
+                                         softcap=a.softcap, num_threads=self.num_threads,
+                                         out=out)
+                if call is None:
+                    self._calls = None
+                    return None
+            kept.append((call, stored, settings))
             calls.append(call)
             angles.append(a.rotary.tables(len(c), 1))
             slots.append(slot)
-            arrays.append((FORMATS[c.format].code, c.keys, c.values, c.key_scales,
-                           c.value_scales))
+            arrays.append((FORMATS[c.format].code,) + stored)
+        self._calls = kept
         held: list[KVCache] = []
         try:
             for c in caches:
