@@ -438,14 +438,15 @@ def test_the_compiled_step_follows_truncated_caches_and_changed_settings(pair, m
 
 def test_the_compiled_step_keeps_no_cache_alive(pair):
     """The model remembers its compiled step between tokens, but refers to the caches
-    weakly: a generation's caches are freed when the caller drops them."""
+    weakly: a generation's caches, and their arrays (which the step's attention calls
+    read from token to token), are freed when the caller drops them."""
     import gc
     import weakref
 
     family, _, _, model = pair
     caches = model.new_caches(1, 8)
     model.generate(np.arange(4) % VOCAB, 3, caches=caches)
-    refs = [weakref.ref(c) for c in caches]
+    refs = [weakref.ref(x) for c in caches for x in (c, c.keys, c.values)]
     del caches
     gc.collect()
     assert all(r() is None for r in refs)

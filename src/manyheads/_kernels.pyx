@@ -747,8 +747,11 @@ cdef class AttentionCall:
         job.merge = self.table.merge_f64 if self.is_f64 else self.table.merge_f32
         job.stride = p.scratch_stride
         if p.n_split:
-            parts = np.empty(p.partial_elems, dtype=np.float64 if self.is_f64 else np.float32)
-            self._parts = parts
+            # (a call retargeted token after token keeps its buffer while it is long enough)
+            if self._parts is None or self._parts.shape[0] < p.partial_elems:
+                self._parts = np.empty(p.partial_elems,
+                                       dtype=np.float64 if self.is_f64 else np.float32)
+            parts = self._parts
             rows = p.n_items * self.a.q_len * p.group  # (items, rows) maxima and sums
             self.a.split.acc = _data(parts)
             self.a.split.row_max = <char *>_data(parts) + elem * rows * self.a.v_dim

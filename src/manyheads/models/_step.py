@@ -70,8 +70,12 @@ class CompiledStep:
         self.num_threads = num_threads
         self.weights = self._weights()
         # per layer, once a token has run: its attention call (retargeted to each next
-        # token), the cache arrays it reads and the module settings it was built with
+        # token), the cache arrays it reads and the module settings it was built with;
+        # dropped with the first cache to go, so that no cache's arrays outlive it here
         self._calls: list[tuple[Any, tuple[Any, ...], tuple[Any, ...]]] | None = None
+        me = weakref.ref(self)
+        for c in caches:
+            weakref.finalize(c, CompiledStep._forget_calls, me)
         B = rows
         d = self.blocks[0].norm_attn.shape[0]
         self.x = np.empty((B, d), np.float32)
@@ -99,6 +103,12 @@ class CompiledStep:
                                    b.act is gelu_tanh)
             self.layers.append((a, bufs[2][:, :H * D].reshape(B, H, 1, D),
                                 bufs[3].reshape(B, H, 1, D)))
+
+    @staticmethod
+    def _forget_calls(step: weakref.ref[CompiledStep]) -> None:
+        alive = step()
+        if alive is not None:
+            alive._calls = None
 
     def _weights(self) -> tuple[Any, ...]:
         """Every array the program reads of the blocks (compared by identity: one
