@@ -159,7 +159,9 @@ class CompiledStep:
             if not same or len(c) + 1 > a.context_length:
                 a._check_cache_call(c, None, B, 1)
             slot, n, offset, window = c._decode_slot()
-            call = last[0] if same and last[0].retarget(n, offset, window or 0) else None
+            call = None
+            if same and last is not None and last[0].retarget(n, offset, window or 0):
+                call = last[0]
             if call is None:
                 st = c._stored(slice(None), slice(0, n))
                 scale = 1.0 / np.sqrt(a.head_dim) if a.scale is None else a.scale
