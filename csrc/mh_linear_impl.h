@@ -264,16 +264,11 @@ MH_INLINE void FN(linear_accumulate_i8)(const mh_linear_args *a, int64_t c0, int
             if (scale == 0) continue;
             const V sv = V_SET1(scale);
             T *ar = acc + r * acc_row;
-            if (r == 0 && run && kk + 16 <= k1) {
-                const char *next = (const char *)w0 + 8 * a->w_row;
-                for (int64_t v = 0; v < nv; ++v) {
-                    for (int64_t b = 0; b < 8 * VW; b += 64) MH_PREFETCH(next + v * 8 * VW + b);
-                    const int8_t *p = w0 + ((v * VW) >> 4) * 128 + ((v * VW) & 15) * 2;
-                    V_STORE(ar + v * VW, V_FMA(FN(i8_pass)(p, xp, q), sv, V_LOAD(ar + v * VW)));
-                }
-                continue;
-            }
+            const int ahead = r == 0 && run && kk + 16 <= k1;
+            const char *next = (const char *)w0 + 8 * a->w_row;
             for (int64_t v = 0; v < nv; ++v) {
+                if (ahead)
+                    for (int64_t b = 0; b < 8 * VW; b += 64) MH_PREFETCH(next + v * 8 * VW + b);
                 const int8_t *p = w0 + ((v * VW) >> 4) * 128 + ((v * VW) & 15) * 2;
                 V_STORE(ar + v * VW, V_FMA(FN(i8_pass)(p, xp, q), sv, V_LOAD(ar + v * VW)));
             }
