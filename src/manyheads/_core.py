@@ -516,7 +516,7 @@ def weight_parts(w: Any) -> WeightParts:
     array, int8 scales, int8 group, out_features); a decoder's step works it out once
     per weight (:func:`project_rows`)."""
     if isinstance(w, np.ndarray):
-        name, n = w.dtype.name, w.shape[1]
+        name, n = dtype_name(w.dtype), w.shape[1]
         if name in ("float16", "bfloat16"):
             return _formats.FORMATS[name].code, _rows_ready(w.view(np.uint16)), None, 0, n
         return -1, _rows_ready(w), None, 0, n

@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 
 from . import _formats
+from ._validate import dtype_name
 
 __all__ = ["Int8Weight", "WEIGHT_DTYPES", "convert_weight", "weight_format", "join_columns",
            "gather_columns"]
@@ -201,8 +202,8 @@ def weight_format(w: Any) -> str:
     if isinstance(w, Int8Weight):
         return "int8"
     dt = getattr(w, "dtype", None)
-    name = getattr(dt, "name", None)
-    if isinstance(w, np.ndarray) and name in ("float32", "float64", "float16", "bfloat16"):
+    name = dtype_name(dt) if isinstance(w, np.ndarray) else None
+    if name in ("float32", "float64", "float16", "bfloat16"):
         if not w.dtype.isnative:
             raise TypeError(f"weight must be in the machine's byte order, got {w.dtype.str}; "
                             "convert it with weight.astype(weight.dtype.newbyteorder('='))")
