@@ -235,9 +235,44 @@ MH_INLINE void FN(linear_one_i8)(const mh_linear_args *a, int64_t c0, int64_t nv
     }
 }
 
+/* The columns' pairs of vector v of a blocked int8 pass that starts at w0. */
+#define MH_I8_VECTOR(w0, v) ((w0) + (((v) * VW) >> 4) * 128 + (((v) * VW) & 15) * 2)
+
+/* acc[r][0, nv*VW) += one pass of blocked int8 (rows [kk, kk + n), starting at w0) for
+   input row r, as integers (FN(i8_pass)), or widened one row at a time if the pass's x
+   cannot be held by the integers; with `ahead`, the next pass is asked for in order as
+   this one is read. */
+MH_INLINE void FN(i8_one_pass)(const mh_linear_args *a, int64_t c0, int64_t nv, int r,
+                               int64_t kk, int n, const int8_t *w0, T *acc, int64_t acc_row,
+                               int ahead)
+{
+    T scale;
+    V xp[4];
+    int16_t q[8];
+    if (!FN(i8_pass_x)((const T *)a->x + r * a->x_row + kk, n, &scale, xp, q)) {
+        for (int i = 0; i < n; ++i) FN(linear_one_i8)(a, c0, nv, r, kk + i, acc, acc_row);
+        return;
+    }
+    if (scale == 0) return;
+    const V sv = V_SET1(scale);
+    T *ar = acc + r * acc_row;
+    const char *next = (const char *)w0 + 8 * a->w_row;
+    for (int64_t v = 0; v < nv; ++v) {
+        if (ahead)
+            for (int64_t b = 0; b < 8 * VW; b += 64) MH_PREFETCH(next + v * 8 * VW + b);
+        V_STORE(ar + v * VW, V_FMA(FN(i8_pass)(MH_I8_VECTOR(w0, v), xp, q), sv,
+                                   V_LOAD(ar + v * VW)));
+    }
+}
+
 /* FN(linear_accumulate) for blocked int8: whole passes as integers (FN(i8_pass)), the
    pass that ends w too, the other rows (or a pass whose x the integers cannot hold)
-   one at a time. */
+   one at a time.  Two whole passes go through together where both are integers: each
+   column's total is loaded and stored once for the two, and takes the first pass's
+   multiply-add, then the second's, as one pass at a time would (the same bits).
+   Measured against one pass at a time, alternating in one process (AVX2): products
+   with the weights in cache 1.06-1.29x, the 576 x 49152 output head from memory
+   1.18-1.34x, a whole int8 SmolLM2-shaped model's decoding step 1.02-1.03x. */
 MH_INLINE void FN(linear_accumulate_i8)(const mh_linear_args *a, int64_t c0, int64_t nv,
                                         const int R, int64_t k0, int64_t k1, T *acc,
                                         int64_t acc_row)
@@ -247,36 +282,48 @@ MH_INLINE void FN(linear_accumulate_i8)(const mh_linear_args *a, int64_t c0, int
        in order as this one reads, for rows of at most MH_LINEAR_PREFETCH_RUN bytes as
        the float formats (a whole int8 model's decoding step: 1.06-1.07x) */
     const int run = c0 == 0 && a->w_row - nv * VW < 16 && a->w_row <= MH_LINEAR_PREFETCH_RUN;
+    const int64_t pass = 8 * a->w_row; /* bytes */
     int64_t kk = k0;
     for (; kk < k1 && (kk & 7); ++kk)
         for (int r = 0; r < R; ++r) FN(linear_one_i8)(a, c0, nv, r, kk, acc, acc_row);
+    for (; kk + 16 <= k1; kk += 16) {
+        const int8_t *w0 = (const int8_t *)a->w + mh_linear_index(a, kk, c0), *w1 = w0 + pass;
+        for (int r = 0; r < R; ++r) {
+            T s0, s1;
+            V xp0[4], xp1[4];
+            int16_t q0[8], q1[8];
+            const int ahead = r == 0 && run && kk + 32 <= k1;
+            if (!FN(i8_pass_x)(x + r * a->x_row + kk, 8, &s0, xp0, q0) ||
+                !FN(i8_pass_x)(x + r * a->x_row + kk + 8, 8, &s1, xp1, q1) || s0 == 0 || s1 == 0) {
+                FN(i8_one_pass)(a, c0, nv, r, kk, 8, w0, acc, acc_row, ahead);
+                FN(i8_one_pass)(a, c0, nv, r, kk + 8, 8, w1, acc, acc_row, ahead);
+                continue;
+            }
+            const V sv0 = V_SET1(s0), sv1 = V_SET1(s1);
+            T *ar = acc + r * acc_row;
+            const char *next = (const char *)w1 + pass;
+            for (int64_t v = 0; v < nv; ++v) {
+                if (ahead)
+                    for (int64_t b = 0; b < 8 * VW; b += 64) {
+                        MH_PREFETCH(next + v * 8 * VW + b);
+                        MH_PREFETCH(next + pass + v * 8 * VW + b);
+                    }
+                V o = V_FMA(FN(i8_pass)(MH_I8_VECTOR(w0, v), xp0, q0), sv0, V_LOAD(ar + v * VW));
+                o = V_FMA(FN(i8_pass)(MH_I8_VECTOR(w1, v), xp1, q1), sv1, o);
+                V_STORE(ar + v * VW, o);
+            }
+        }
+    }
     for (; kk < k1 && (kk + 8 <= k1 || k1 == a->k); kk += 8) {
         const int n = k1 - kk < 8 ? (int)(k1 - kk) : 8;
         const int8_t *w0 = (const int8_t *)a->w + mh_linear_index(a, kk, c0);
-        for (int r = 0; r < R; ++r) {
-            T scale;
-            V xp[4];
-            int16_t q[8];
-            if (!FN(i8_pass_x)(x + r * a->x_row + kk, n, &scale, xp, q)) {
-                for (int i = 0; i < n; ++i) FN(linear_one_i8)(a, c0, nv, r, kk + i, acc, acc_row);
-                continue;
-            }
-            if (scale == 0) continue;
-            const V sv = V_SET1(scale);
-            T *ar = acc + r * acc_row;
-            const int ahead = r == 0 && run && kk + 16 <= k1;
-            const char *next = (const char *)w0 + 8 * a->w_row;
-            for (int64_t v = 0; v < nv; ++v) {
-                if (ahead)
-                    for (int64_t b = 0; b < 8 * VW; b += 64) MH_PREFETCH(next + v * 8 * VW + b);
-                const int8_t *p = w0 + ((v * VW) >> 4) * 128 + ((v * VW) & 15) * 2;
-                V_STORE(ar + v * VW, V_FMA(FN(i8_pass)(p, xp, q), sv, V_LOAD(ar + v * VW)));
-            }
-        }
+        for (int r = 0; r < R; ++r)
+            FN(i8_one_pass)(a, c0, nv, r, kk, n, w0, acc, acc_row, r == 0 && run && kk + 16 <= k1);
     }
     for (; kk < k1; ++kk)
         for (int r = 0; r < R; ++r) FN(linear_one_i8)(a, c0, nv, r, kk, acc, acc_row);
 }
+#undef MH_I8_VECTOR
 
 /* Columns [c0, c0 + nv*VW) of R rows over rows [k0, k1) of w, weights of format fmt,
    into dst (rows dst_row apart), starting from the bias (with_bias) or from zero.  The
