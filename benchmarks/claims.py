@@ -36,6 +36,8 @@ CLAIMS: tuple[ClaimSpec, ...] = (
     ClaimSpec("module_prefill", "module prefill (B=8, T=1024, d=768, 12 heads) ≥ 1.2× torch's "
                                 "layer", 1.2),
     ClaimSpec("tiny_sdpa", "tiny SDPA (12 heads × 1 query × 16 keys) ≥ 1.5× torch", 1.5),
+    ClaimSpec("int4_cold", "int4 KV cache ≥ 1.5× the int8 cache (decode step, L=16384, "
+                           "cache cold)", 1.5),
     ClaimSpec("openblas", "layer decode step within 1.2× of its time in the run with "
                           "OPENBLAS_NUM_THREADS=1", 1.2, ceiling=True),
     ClaimSpec("smollm2_attention", "SmolLM2-135M-shaped model, prefill T=4096: time inside "
@@ -80,6 +82,7 @@ def _ratios(r: BenchResult) -> dict[str, tuple[float | None, bool | None]]:
     gen = inf.generation.get("main") if inf else None
     tiny = inf.tiny_sdpa if inf else None
     mod = r.module
+    cold = next((row.cold_step_us for row in r.cache_formats or [] if row.L == 16384), {})
     return {
         "layer_decode": (main.torch_us / main.manyheads_us
                          if main and main.torch_us and main.torch_in_process else None, None),
@@ -89,6 +92,8 @@ def _ratios(r: BenchResult) -> dict[str, tuple[float | None, bool | None]]:
                            if mod and mod.torch_ms is not None else None, None),
         "tiny_sdpa": (tiny.torch_us / tiny.manyheads_us
                       if tiny and tiny.torch_us is not None else None, None),
+        "int4_cold": (cold["int8"] / cold["int4"] if "int8" in cold and "int4" in cold
+                      else None, None),
         "openblas": (main.manyheads_us / ob1.manyheads_us if main and ob1 else None, None),
         **_hf_ratios(r),
     }

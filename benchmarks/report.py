@@ -209,6 +209,14 @@ def _low_precision_lines(r: BenchResult, rows: list[CacheFormatRow]) -> list[str
                 str(row.L), f, f"{bpt[f]:.0f}", f"{bpt[f] / bpt['float32']:.3f}",
                 f"{t:.0f}", _ratio(row.step_us.get("float16"), t), _ratio(tt, t),
                 f"{rate:.1f} GB/s ({rate / bw * 100:.0f}%)"]) + " |")
+    cold_row = next((row for row in rows if row.cold_step_us), None)
+    if cold_row is not None:
+        c = cold_row.cold_step_us
+        lines += ["", f"The same step at L={cold_row.L} with the cache cold (128 MiB of other "
+                  "memory read before each call, as a deep model's other layers pass through "
+                  "the last-level cache), µs: " + ", ".join(
+                      f"{f} {c[f]:.0f} ({cold_row.bytes_per_token[f] * cold_row.L / (c[f] * 1e-6) / 1e9:.1f} GB/s)"
+                      for f in fmts if f in c) + "."]
     if rows[0].skipped:
         lines += ["", f"Not run: {', '.join(rows[0].skipped)} (ml_dtypes is not installed)."]
     g = r.gqa
@@ -386,7 +394,7 @@ def _hf_lines(hf: HFModelsResult) -> list[str]:
 
 def _claim_lines(r: BenchResult) -> list[str]:
     lines = ["", "Claims a user can check on their own machine, each a ratio measured in this "
-             "run (python benchmarks/run.py --section inference,hf):", "",
+             "run (python benchmarks/run.py --section attention,inference,hf):", "",
              "| claim | measured | |", "|:---|---:|:---|"]
     for c in r.claims:
         met = {True: "met", False: "**not met**", None: "not measured"}[c.met]

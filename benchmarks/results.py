@@ -108,6 +108,9 @@ class CacheFormatRow:
     step_us: dict[str, float]  # format -> microseconds per step
     skipped: list[str] = field(default_factory=list)  # formats not run (ml_dtypes missing)
     torch_sdpa_f32_us: float | None = None
+    # format -> microseconds per step with the last-level cache evicted before each call
+    # (as in a deep model, where the other layers' caches pass through it between steps)
+    cold_step_us: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass

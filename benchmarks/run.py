@@ -52,7 +52,9 @@ in the checkout (the figures the README shows).
 sections (--section, comma-separated; default all):
   attention    causal SDPA prefill and decode against every peer, threads, memory;
                a layer's decode step through float32, float16, bfloat16, int8 and
-               int4 caches (bytes per token, read rate); grouped-query decode (32
+               int4 caches (bytes per token, read rate; at the longest L also with
+               the cache evicted before each call: the claim int4 >= 1.5x int8
+               cold); grouped-query decode (32
                query heads on 8 kv heads) against the kv heads repeated; float16
                and bfloat16 prefill against float32
   module       the fused and stacked modules at B=8, T=1024, d=768, 12 heads
@@ -192,7 +194,7 @@ def run(quick: bool = False, repeats: int = 7, progress: bool = True,
         res.inference = inference.inference_section(threads, with_torch, quick, steps.step)
     if "hf" in parts:
         res.hf_models = hf_models.hf_models_section(threads, quick, steps.step)
-    if "inference" in parts or "hf" in parts:
+    if "inference" in parts or "hf" in parts or "attention" in parts:
         res.claims = claims.evaluate(res)
     res.load_end = load_average()
     return res

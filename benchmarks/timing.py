@@ -18,13 +18,14 @@ import numpy as np
 
 
 def compare(fns: dict[str, Callable[[], Any]], rounds: int = 5, per_round: int = 2,
-            warmup: int = 1) -> dict[str, float]:
+            warmup: int = 1, before: Callable[[], Any] | None = None) -> dict[str, float]:
     """Median seconds per call of each function, measured in interleaved rounds.
 
     Each round runs every function ``per_round`` times back to back, plus one
     leading call that is discarded when ``per_round > 1``; the rounds
     alternate between the functions.  ``warmup`` untimed calls of each come
-    first.
+    first.  ``before``, if given, runs untimed before every timed call (e.g. to
+    evict the caches).
     """
     times: dict[str, list[float]] = {name: [] for name in fns}
     for fn in fns.values():
@@ -34,6 +35,8 @@ def compare(fns: dict[str, Callable[[], Any]], rounds: int = 5, per_round: int =
         for name, fn in fns.items():
             block = []
             for _ in range(per_round + (1 if per_round > 1 else 0)):
+                if before is not None:
+                    before()
                 t0 = time.perf_counter()
                 fn()
                 block.append(time.perf_counter() - t0)

@@ -312,6 +312,25 @@ def test_low_precision_table_has_a_row_per_cache_format_with_bytes_and_ratios():
     assert "bfloat16 10.00 ms (2.00× float32)" in text and "no AVX512-BF16" in text
 
 
+def test_cold_cache_steps_are_reported_and_judge_the_int4_claim():
+    """The cold steps at the longest L get their own line (time and read rate), and
+    int8's cold time over int4's is the int4 claim's ratio (measured at L=16384 only)."""
+    r = full_results()
+    assert "with the cache cold" not in report.format_markdown(r)
+    assert {c.key: c for c in claims.evaluate(r)}["int4_cold"].met is None
+    row = low_precision_row()
+    row.L = 16384
+    row.cold_step_us = {"float16": 4000.0, "int8": 3000.0, "int4": 2500.0}
+    r.cache_formats = [low_precision_row(), row]
+    text = report.format_markdown(r)
+    # 1632 B * 16384 tokens / 3000 us = 8.9 GB/s
+    assert "L=16384 with the cache cold" in text and "int8 3000 (8.9 GB/s)" in text
+    got = {c.key: c for c in claims.evaluate(r)}["int4_cold"]
+    assert got.ratio == pytest.approx(1.2) and got.met is False
+    row.cold_step_us["int4"] = 2000.0
+    assert {c.key: c for c in claims.evaluate(r)}["int4_cold"].met is True
+
+
 def test_report_leaves_out_peers_that_are_not_installed():
     r = attention_results()
     r.peers = {"torch": "2.13.0+cpu", "onnxruntime": None, "openvino": None}
@@ -421,7 +440,8 @@ SPEC = {c.key: c for c in claims.CLAIMS}
 def test_the_claims_and_their_thresholds():
     assert [(c.key, c.threshold, c.ceiling) for c in claims.CLAIMS] == [
         ("layer_decode", 1.5, False), ("generation", 1.3, False),
-        ("module_prefill", 1.2, False), ("tiny_sdpa", 1.5, False), ("openblas", 1.2, True),
+        ("module_prefill", 1.2, False), ("tiny_sdpa", 1.5, False), ("int4_cold", 1.5, False),
+        ("openblas", 1.2, True),
         ("smollm2_attention", 1.4, False), ("smollm2_model", 1.1, False),
         ("smollm2_decode", 1.0, False), ("gemma2_attention", 3.0, False),
         ("gemma2_model", 1.25, False)]
