@@ -5,7 +5,9 @@ import pytest
 
 torch = pytest.importorskip("torch")
 mht = pytest.importorskip("manyheads.torch")
+import manyheads as mh  # noqa: E402
 import manyheads._core as core  # noqa: E402
+from manyheads import _kernels  # noqa: E402
 
 F = torch.nn.functional
 OPS = torch.ops.manyheads
@@ -34,10 +36,32 @@ def assert_close(ours, theirs):
     assert diff <= TOLERANCE[ours.dtype], diff
 
 
+def _spy_direct(monkeypatch, record):
+    """Wrap the direct path (``_kernels.attend_heads``): ``record(q, k, v, out)`` for each
+    call it takes, with the arrays as handed to the kernels."""
+    original = _kernels.attend_heads
+
+    def spy(q, k, v, out, *args):
+        done = original(q, k, v, out, *args)
+        if done:
+            record(q, k, v, out)
+        return done
+
+    monkeypatch.setattr(_kernels, "attend_heads", spy)
+
+
+@pytest.fixture
+def direct_calls(monkeypatch):
+    """The calls the direct path took: (query, key, value, out) as handed to the kernels."""
+    taken = []
+    _spy_direct(monkeypatch, lambda *arrays: taken.append(arrays))
+    return taken
+
+
 @pytest.fixture
 def kernel_reads(monkeypatch):
-    """Every operand the core hands to the kernels, as (address given, address kept): a
-    copy would keep a different address."""
+    """Every operand handed to the kernels, as (address given, address kept): a copy
+    would keep a different address (the direct path hands the tensors' own views)."""
     seen = []
     original = core.kernel_ready
 
@@ -47,12 +71,14 @@ def kernel_reads(monkeypatch):
         return kept
 
     monkeypatch.setattr(core, "kernel_ready", spy)
+    _spy_direct(monkeypatch, lambda *arrays: seen.extend(
+        (a.ctypes.data, a.ctypes.data) for a in arrays[:3]))
     return seen
 
 
 @pytest.fixture
 def kernel_outputs(monkeypatch):
-    """The output array of every core call."""
+    """The output array of every call: the core's result, or the direct path's out."""
     outs = []
     original = core.attention
 
@@ -62,6 +88,7 @@ def kernel_outputs(monkeypatch):
         return res
 
     monkeypatch.setattr(core, "attention", spy)
+    _spy_direct(monkeypatch, lambda *arrays: outs.append(arrays[3]))
     return outs
 
 
@@ -292,3 +319,54 @@ def test_a_sliding_window_equals_torch_with_the_window_mask(dtype, kernel_output
     expected = (torch.softmax(logits, dim=-1)[..., :-1] @ vv).to(dtype)
     assert_close(out.transpose(1, 2), expected)
     assert (lse - torch.logsumexp(logits, dim=-1)).abs().max().item() <= 1e-4
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("L, kw", [(1, {}), (1, {"scale": 0.2}), (2, {"is_causal": True}),
+                                   (2, {"is_causal": True, "window": 3})],
+                         ids=["decode", "decode-scale", "causal", "window"])
+@pytest.mark.parametrize("transpose_out", [False, True])
+def test_decoding_calls_take_the_direct_path_with_the_general_paths_bits(
+        dtype, L, kw, transpose_out, direct_calls, monkeypatch):
+    """A transformers decoding step's call (the query a transposed projection, the keys and
+    values the filled part of a preallocated cache, grouped heads; one or two new tokens)
+    goes straight to the kernels on views of the tensors, and gives the bits the general
+    path gives."""
+    B, Hq, Hkv, S, D = 2, 6, 2, 19, 16
+    proj, cache_k, cache_v = tensors((B, L, Hq * D), (B, Hkv, 32, D), (B, Hkv, 32, D),
+                                     dtype=dtype)
+    q = proj.unflatten(-1, (Hq, D)).transpose(1, 2)
+    k, v = cache_k[:, :, :S], cache_v[:, :, :S]
+    args = dict(kw, enable_gqa=True, transpose_out=transpose_out)
+    out = mht.scaled_dot_product_attention(q, k, v, **args)
+    assert len(direct_calls) == 1
+    q_seen, k_seen, v_seen, out_seen = direct_calls[0]
+    assert (q_seen.ctypes.data, k_seen.ctypes.data, v_seen.ctypes.data, out_seen.ctypes.data) \
+        == (q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr())  # nothing copied
+    monkeypatch.setattr(_kernels, "attend_heads", lambda *a: False)  # the general path
+    general = mht.scaled_dot_product_attention(q, k, v, **args)
+    assert len(direct_calls) == 1 and out.dtype == dtype and out.shape == general.shape
+    assert torch.equal(out, general)
+    if not transpose_out and "window" not in kw:
+        assert_close(out, reference(q, k, v, **kw, enable_gqa=True))
+
+
+def test_calls_the_direct_path_does_not_take_go_the_general_way(direct_calls):
+    """A mask, float64, a broadcast batch, score features, a tensor that requires grad
+    (under no_grad) or a plan that does not serve each kv head's query heads together
+    (a prefill's tiles) leave the direct path to the general one, which checks and runs
+    them."""
+    q, k, v = tensors((2, 4, 3, 8), (2, 2, 7, 8), (2, 2, 7, 8))
+    long_q = tensors((2, 4, 40, 8))[0]
+    assert_close(mht.scaled_dot_product_attention(long_q, k, v, enable_gqa=True),
+                 reference(long_q, k, v, enable_gqa=True))
+    mask = torch.ones(3, 7, dtype=torch.bool)
+    mht.scaled_dot_product_attention(q, k, v, mask, enable_gqa=True)
+    mht.scaled_dot_product_attention(q.double(), k.double(), v.double(), enable_gqa=True)
+    mht.scaled_dot_product_attention(q, k[:1], v[:1], enable_gqa=True)
+    mht.scaled_dot_product_attention(q, k, v, enable_gqa=True, softcap=5.0)
+    with torch.no_grad():
+        mht.scaled_dot_product_attention(q.requires_grad_(), k, v, enable_gqa=True)
+    assert direct_calls == []
+    with pytest.raises(ValueError, match="enable_gqa"):  # still the general path's error
+        mht.scaled_dot_product_attention(q.detach(), k, v)

@@ -123,6 +123,12 @@ def attend_plain(query: object, key: object, value: object, scale: object, causa
                  threads: int, check_signals: bool) -> np.ndarray | None:
     """A plain attention call's output, or None when it is not the simplest case."""
 
+def attend_heads(query: object, key: object, value: object, out: object, fmt: int,
+                 scale: object, causal: bool, window: int, threads: int,
+                 check_signals: bool) -> bool:
+    """A decoding-sized call on PyTorch-laid-out heads written into ``out``; False when
+    it is not a call this takes (nothing done)."""
+
 def rms_norm_rows(x: npt.NDArray[np.float32], weight: npt.NDArray[np.float32], eps: float,
                   out: npt.NDArray[np.float32]) -> None:
     """out = x / sqrt(mean(x**2, -1) + eps) * weight, row by row."""

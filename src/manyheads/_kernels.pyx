@@ -852,6 +852,88 @@ def attend_plain(object query, object key, object value, object scale, bint caus
     return out
 
 
+cdef bint _rows_in_place(cnp.ndarray a, int itemsize):
+    """Elements of ``itemsize`` bytes, aligned, the last axis contiguous, every stride a
+    whole number of elements: what the kernels read (or write) in place."""
+    cdef int nd = cnp.PyArray_NDIM(a), i
+    cdef cnp.npy_intp *st = cnp.PyArray_STRIDES(a)
+    if cnp.PyArray_ITEMSIZE(a) != itemsize or not cnp.PyArray_ISALIGNED(a) or \
+            not cnp.PyArray_ISNOTSWAPPED(a) or st[nd - 1] != itemsize:
+        return False
+    for i in range(nd - 1):
+        if st[i] % itemsize:
+            return False
+    return True
+
+
+def attend_heads(object query, object key, object value, object out, int fmt, object scale,
+                 bint causal, int64_t window, int threads, bint check_signals):
+    """A decoding-sized attention call on arrays laid out as PyTorch's heads are, written
+    into ``out``; False (nothing done) when the call is not one this takes.
+
+    query (B, Hq, L, E), key (B, Hkv, S, E), value (B, Hkv, S, Ev) and out (B, Hq, L, Ev)
+    (any strides with a contiguous last axis: transposed and sliced views) of storage
+    ``fmt`` (float32, or float16 / bfloat16 as 16-bit integers), Hq a multiple of Hkv,
+    every size at least 1, no mask or score features; ``causal`` top-left, with a
+    sliding ``window`` of keys if it is positive.  The plan must serve each kv head's
+    query heads together (or Hq == Hkv).  The general path (``_core.attention``) takes
+    everything else and gives these calls the same plan and bits; this one leaves out
+    its Python layout work (the views, the batch shapes), most of a small call's time."""
+    cdef cnp.ndarray q, k, v, o
+    cdef cnp.npy_intp *qd
+    cdef cnp.npy_intp *kd
+    cdef cnp.npy_intp *vd
+    cdef cnp.npy_intp *od
+    cdef int64_t B, Hq, Hkv, G, L, S, E, Ev
+    cdef int itemsize = 4 if fmt == MH_STORE_F32 else 2
+    cdef double s
+    if (fmt != MH_STORE_F32 and fmt != MH_STORE_F16 and fmt != MH_STORE_BF16) or \
+            type(query) is not np.ndarray or type(key) is not np.ndarray or \
+            type(value) is not np.ndarray or type(out) is not np.ndarray:
+        return False
+    q, k, v, o = query, key, value, out
+    if cnp.PyArray_NDIM(q) != 4 or cnp.PyArray_NDIM(k) != 4 or cnp.PyArray_NDIM(v) != 4 or \
+            cnp.PyArray_NDIM(o) != 4 or not cnp.PyArray_ISWRITEABLE(o):
+        return False
+    for arr in (q, k, v, o):
+        if not _rows_in_place(arr, itemsize):
+            return False
+    qd, kd, vd, od = cnp.PyArray_DIMS(q), cnp.PyArray_DIMS(k), cnp.PyArray_DIMS(v), \
+        cnp.PyArray_DIMS(o)
+    B, Hq, L, E = qd[0], qd[1], qd[2], qd[3]
+    Hkv, S, Ev = kd[1], kd[2], vd[3]
+    if B < 1 or Hq < 1 or L < 1 or E < 1 or Hkv < 1 or S < 1 or Ev < 1 or Hq % Hkv or \
+            kd[0] != B or vd[0] != B or vd[1] != Hkv or kd[3] != E or vd[2] != S or \
+            od[0] != B or od[1] != Hq or od[2] != L or od[3] != Ev:
+        return False
+    if scale is None:
+        s = 1.0 / sqrt(<double>E)
+    elif type(scale) is float and isfinite(<double>scale):
+        s = scale
+    else:
+        return False
+    G = Hq // Hkv
+    call = AttentionCall(False, (B * Hq, L, S, E, Ev), (fmt, fmt, fmt), (k, v), G, 0, False,
+                         False, -1, threads)
+    if call.group != G:
+        return False
+    if G > 1:  # (B, Hkv, G, ..): each kv head's query heads together (splitting an
+        # axis is a view; the output's must be, or the kernels would write a copy)
+        q = q.reshape((B, Hkv, G, L, E))
+        o = out.reshape((B, Hkv, G, L, Ev))
+        if cnp.PyArray_DATA(o) != cnp.PyArray_DATA(<cnp.ndarray>out) or \
+                not cnp.PyArray_ISWRITEABLE(o):
+            return False
+    call.set_query(q, 3 if G > 1 else 2)
+    call.set_keys_values(k, v, 2)
+    call.set_output(o, 3 if G > 1 else 2)
+    if causal:
+        call.set_causal(0, window if window > 0 else 0)
+    call.set_scale(s)
+    call.run(check_signals)
+    return True
+
+
 # ---- the small per-token steps of a decoder (one pass each, no temporaries) ------------------
 
 def rms_norm_rows(const float[:, ::1] x, const float[::1] weight, float eps,
