@@ -1,6 +1,7 @@
 """Thread pools: threadpoolctl sees and limits manyheads' OpenMP; concurrent callers share cores."""
 import subprocess
 import sys
+import textwrap
 import threading
 
 import numpy as np
@@ -97,3 +98,31 @@ def test_a_call_that_waited_long_for_absent_threads_counts_as_contended():
     # short waits are the other threads waking up, not contention
     assert not _kernels.waited_for_absent_threads(0.0, 0.00001, 0.0003)
 
+
+
+def test_the_projections_blas_is_scipys_and_leaves_scipy_linalg_unimported():
+    """A projection of many rows runs on SciPy's BLAS; where SciPy's wheel ships its
+    OpenBLAS beside the package, that library is opened directly and ``scipy.linalg``
+    (some 25 MiB of modules) is not imported; the result matches NumPy's."""
+    code = """
+        import glob, importlib.util, os, sys
+        import numpy as np
+        import manyheads as mh
+        from manyheads import _blas
+        x = np.random.default_rng(0).standard_normal((300, 96)).astype(np.float32)
+        w = np.random.default_rng(1).standard_normal((96, 200)).astype(np.float32)
+        np.testing.assert_allclose(mh.linear(x, w), x @ w, rtol=0, atol=1e-4)
+        assert _blas.available()
+        folder = os.path.realpath(importlib.util.find_spec("scipy").submodule_search_locations[0])
+        shipped = glob.glob(folder + ".libs/libscipy_openblas*") + \\
+            glob.glob(folder + "/.dylibs/libscipy_openblas*")
+        print(bool(shipped), "scipy.linalg" in sys.modules, _blas.describe())
+    """
+    out = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    shipped, linalg, described = out.stdout.split(" ", 2)
+    if shipped == "True":
+        assert linalg == "False" and described.startswith("SciPy's OpenBLAS, opened directly")
+    else:
+        assert described.startswith("scipy.linalg.cython_blas")

@@ -3,9 +3,11 @@
 Large projections (more than a few rows) are cut into tiles whose layout
 depends on the shape alone; each tile is one single-threaded ``sgemm``/``dgemm``
 call made from one of manyheads' OpenMP threads, as scikit-learn's GIL-free
-reductions do.  The BLAS is SciPy's (``scipy.linalg.cython_blas``), reached
-through the function pointers it publishes for Cython, so nothing is linked
-at build time.  While such a call runs, SciPy's BLAS is held at one thread
+reductions do.  The BLAS is SciPy's: the OpenBLAS its wheels ship, opened
+directly (the library ``scipy.linalg.cython_blas`` calls, without importing
+``scipy.linalg``, whose modules take some 25 MiB of a process that decodes a
+small model), or else the function pointers ``scipy.linalg.cython_blas``
+publishes for Cython; nothing is linked at build time.  While such a call runs, SciPy's BLAS is held at one thread
 (reference-counted across concurrent calls), so its own pool never wakes up
 and every tile runs the same single-threaded kernel: results are the same
 bits for any thread count and any number of concurrent callers.  NumPy's own
@@ -17,6 +19,8 @@ thread (NumPy's BLAS pool then does the work; correct, but not one pool).
 from __future__ import annotations
 
 import ctypes
+import glob
+import importlib.util
 import os
 import threading
 from contextlib import contextmanager
@@ -42,6 +46,32 @@ def _capsule_address(capsule: Any) -> int:
     return int(address)
 
 
+def _wheel_openblas() -> tuple[int, int, str, str] | None:
+    """(sgemm, dgemm, library path, SciPy's folder) of the OpenBLAS a SciPy wheel ships
+    beside its package (``scipy.libs``, ``scipy/.dylibs``), opened without importing
+    SciPy: its 32-bit-integer Fortran gemm, with the wheel's symbol prefix or none.
+    None when SciPy is missing or built otherwise (a system BLAS)."""
+    spec = importlib.util.find_spec("scipy")  # a top-level name: nothing is imported
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    scipy_dir = os.path.realpath(list(spec.submodule_search_locations)[0])
+    found = sorted(glob.glob(os.path.join(scipy_dir + ".libs", "libscipy_openblas*"))
+                   + glob.glob(os.path.join(scipy_dir, ".dylibs", "libscipy_openblas*")))
+    for path in found:
+        try:
+            lib = ctypes.CDLL(path)
+        except OSError:
+            continue
+        for prefix in ("scipy_", ""):
+            try:
+                sgemm, dgemm = getattr(lib, prefix + "sgemm_"), getattr(lib, prefix + "dgemm_")
+            except AttributeError:
+                continue
+            return (int(ctypes.cast(sgemm, ctypes.c_void_p).value or 0),
+                    int(ctypes.cast(dgemm, ctypes.c_void_p).value or 0), path, scipy_dir)
+    return None
+
+
 def _load() -> None:
     """Find SciPy's gemm functions and its BLAS library's thread control (once)."""
     if _state["loaded"]:
@@ -50,24 +80,30 @@ def _load() -> None:
         if _state["loaded"]:
             return
         try:
-            from scipy.linalg import cython_blas  # type: ignore[import-untyped]
+            direct = _wheel_openblas()
+            if direct is not None and direct[0] and direct[1]:
+                _kernels.set_blas(direct[0], direct[1])
+                scipy_dir, how = direct[3], "SciPy's OpenBLAS, opened directly"
+            else:
+                from scipy.linalg import cython_blas  # type: ignore[import-untyped]
 
-            capi = cython_blas.__pyx_capi__
-            sgemm = _capsule_address(capi["sgemm"])
-            _kernels.set_blas(sgemm, _capsule_address(capi["dgemm"]))
+                capi = cython_blas.__pyx_capi__
+                sgemm = _capsule_address(capi["sgemm"])
+                _kernels.set_blas(sgemm, _capsule_address(capi["dgemm"]))
+                scipy_dir = os.path.dirname(os.path.dirname(os.path.realpath(
+                    cython_blas.__file__)))
+                how = "scipy.linalg.cython_blas"
         except Exception as exc:  # SciPy missing or without the Cython BLAS API
             _state["info"] = f"none usable ({type(exc).__name__}: {exc}); NumPy matmul instead"
         else:
-            _state["controller"], _state["info"] = _blas_controller(
-                os.path.dirname(os.path.realpath(cython_blas.__file__)))
+            _state["controller"], _state["info"] = _blas_controller(scipy_dir, how)
         _state["loaded"] = True
 
 
-def _blas_controller(linalg_dir: str) -> tuple[Any, str]:
-    """threadpoolctl's handle on the BLAS library behind SciPy's cython_blas, and a
+def _blas_controller(scipy_dir: str, how: str) -> tuple[Any, str]:
+    """threadpoolctl's handle on SciPy's BLAS library (reached as ``how``), and a
     description of it.  Wheels keep that library inside SciPy's tree (``scipy.libs``,
     ``scipy/.dylibs``); with one BLAS in the whole process, that one is it."""
-    scipy_dir = os.path.dirname(linalg_dir)
     try:
         # threadpoolctl ships no type information (no py.typed, no stubs)
         from threadpoolctl import ThreadpoolController  # type: ignore[import-untyped]
@@ -79,9 +115,8 @@ def _blas_controller(linalg_dir: str) -> tuple[Any, str]:
                                                                            scipy_dir + ".libs"))]
     lib = inside[0] if inside else (blas[0] if len(blas) == 1 else None)
     if lib is None:
-        return None, "scipy.linalg.cython_blas (its library's thread count is not controlled)"
-    return _ThreadCount(lib), (f"scipy.linalg.cython_blas: {lib.internal_api} {lib.version} "
-                               f"({lib.filepath})")
+        return None, f"{how} (its library's thread count is not controlled)"
+    return _ThreadCount(lib), f"{how}: {lib.internal_api} {lib.version} ({lib.filepath})"
 
 
 class _ThreadCount:
