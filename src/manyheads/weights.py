@@ -202,7 +202,7 @@ def weight_format(w: Any) -> str:
     if isinstance(w, Int8Weight):
         return "int8"
     dt = getattr(w, "dtype", None)
-    name = dtype_name(dt) if isinstance(w, np.ndarray) else None
+    name = dtype_name(w.dtype) if isinstance(w, np.ndarray) else None
     if name in ("float32", "float64", "float16", "bfloat16"):
         if not w.dtype.isnative:
             raise TypeError(f"weight must be in the machine's byte order, got {w.dtype.str}; "
