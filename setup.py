@@ -157,11 +157,18 @@ class BuildExt(build_ext):
         omp = self._openmp_flags()
         self.manyheads_openmp = omp is not None
         for ext in self.extensions:
-            # the first file alone (the compiler object sets itself up), the rest in parallel
-            objects = self._compile_c(sources[0][0], base, sources[0][1])
+            # one small file alone (the compiler object sets itself up), the rest in
+            # parallel, the kernel paths' files first (they take nearly all the time, the
+            # widest ISA the longest: started first, the threads end close together)
+            paths = list(isa_flags())
+            order = sorted(sources, key=lambda src: (src[0] not in paths,
+                                                     paths.index(src[0]) if src[0] in paths
+                                                     else 0))
+            first = next((src for src in sources if src[0] not in paths), sources[0])
+            objects = self._compile_c(first[0], base, first[1])
             with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
                 for objs in pool.map(lambda src: self._compile_c(src[0], base, src[1]),
-                                     sources[1:]):
+                                     [src for src in order if src is not first]):
                     objects += objs
             ext.extra_objects = objects + list(ext.extra_objects or [])
             if omp is not None:
