@@ -184,6 +184,11 @@ def _decode_lines(r: BenchResult, rows: list[DecodeRow]) -> list[str]:
     return lines
 
 
+def _read_rate(bytes_per_token: float, L: int, us: float) -> float:
+    """GB/s of a step that reads a cache of L tokens in ``us`` microseconds."""
+    return bytes_per_token * L / (us * 1e-6) / 1e9
+
+
 def _low_precision_lines(r: BenchResult, rows: list[CacheFormatRow]) -> list[str]:
     assert r.bandwidth is not None
     bw = r.bandwidth.best
@@ -204,7 +209,7 @@ def _low_precision_lines(r: BenchResult, rows: list[CacheFormatRow]) -> list[str
         bpt, tt = row.bytes_per_token, row.torch_sdpa_f32_us
         for f in fmts:
             t = row.step_us[f]
-            rate = bpt[f] * row.L / (t * 1e-6) / 1e9
+            rate = _read_rate(bpt[f], row.L, t)
             lines.append("| " + " | ".join([
                 str(row.L), f, f"{bpt[f]:.0f}", f"{bpt[f] / bpt['float32']:.3f}",
                 f"{t:.0f}", _ratio(row.step_us.get("float16"), t), _ratio(tt, t),
@@ -215,7 +220,8 @@ def _low_precision_lines(r: BenchResult, rows: list[CacheFormatRow]) -> list[str
         lines += ["", f"The same step at L={cold_row.L} with the cache cold (128 MiB of other "
                   "memory read before each call, as a deep model's other layers pass through "
                   "the last-level cache), µs: " + ", ".join(
-                      f"{f} {c[f]:.0f} ({cold_row.bytes_per_token[f] * cold_row.L / (c[f] * 1e-6) / 1e9:.1f} GB/s)"
+                      f"{f} {c[f]:.0f} "
+                      f"({_read_rate(cold_row.bytes_per_token[f], cold_row.L, c[f]):.1f} GB/s)"
                       for f in fmts if f in c) + "."]
     if rows[0].skipped:
         lines += ["", f"Not run: {', '.join(rows[0].skipped)} (ml_dtypes is not installed)."]

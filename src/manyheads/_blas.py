@@ -7,10 +7,11 @@ reductions do.  The BLAS is SciPy's: the OpenBLAS its wheels ship, opened
 directly (the library ``scipy.linalg.cython_blas`` calls, without importing
 ``scipy.linalg``, whose modules take some 25 MiB of a process that decodes a
 small model), or else the function pointers ``scipy.linalg.cython_blas``
-publishes for Cython; nothing is linked at build time.  While such a call runs, SciPy's BLAS is held at one thread
-(reference-counted across concurrent calls), so its own pool never wakes up
-and every tile runs the same single-threaded kernel: results are the same
-bits for any thread count and any number of concurrent callers.  NumPy's own
+publishes for Cython; nothing is linked at build time.  While such a call runs,
+SciPy's BLAS is held at one thread (reference-counted across concurrent calls),
+so its own pool never wakes up and every tile runs the same single-threaded
+kernel: results are the same bits for any thread count and any number of
+concurrent callers.  NumPy's own
 BLAS is not used inside a module call at all.
 
 Without SciPy the projections fall back to NumPy's matmul on the calling
