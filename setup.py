@@ -158,17 +158,17 @@ class BuildExt(build_ext):
         self.manyheads_openmp = omp is not None
         for ext in self.extensions:
             # one small file alone (the compiler object sets itself up), the rest in
-            # parallel, the kernel paths' files first (they take nearly all the time, the
-            # widest ISA the longest: started first, the threads end close together)
+            # parallel, the kernel paths' files first (they take nearly all the time:
+            # started first, the threads end close together)
             paths = list(isa_flags())
-            order = sorted(sources, key=lambda src: (src[0] not in paths,
-                                                     paths.index(src[0]) if src[0] in paths
-                                                     else 0))
-            first = next((src for src in sources if src[0] not in paths), sources[0])
+            kernels = sorted((src for src in sources if src[0] in paths),
+                             key=lambda src: paths.index(src[0]))
+            others = [src for src in sources if src[0] not in paths]
+            first = (others or kernels)[0]
             objects = self._compile_c(first[0], base, first[1])
             with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
                 for objs in pool.map(lambda src: self._compile_c(src[0], base, src[1]),
-                                     [src for src in order if src is not first]):
+                                     [src for src in kernels + others if src is not first]):
                     objects += objs
             ext.extra_objects = objects + list(ext.extra_objects or [])
             if omp is not None:

@@ -4,9 +4,10 @@
  * dispatcher (mh_dispatch.c) has checked that the CPU and OS support it.
  *
  * mh_avx512bf16.c compiles it a second time with MH_AVX512_DPBF16 defined
- * (and AVX512-BW and AVX512-BF16 enabled): the same kernels under the suffix
- * _avx512bf16, plus the bfloat16 pair-product tile path (MH_HAS_BF16_DOT,
- * the VP vocabulary below).
+ * (and AVX512-BW and AVX512-BF16 enabled): the same float32 kernels under the
+ * suffix _avx512bf16, plus the bfloat16 pair-product tile path
+ * (MH_HAS_BF16_DOT, the VP vocabulary below); its float64 entries are this
+ * path's.
  */
 #include "mh_kernels.h"
 
@@ -336,6 +337,17 @@ static inline void mh_interleave_bf16_avx512(uint32_t *dst, const uint16_t *r0,
 #endif
 #include "mh_instance.h"
 
+#ifdef MH_AVX512_DPBF16
+/* float64 has no pair products: this path's float64 entries are the avx512 path's, and
+   this second compile (the slowest file of the build) makes only float32's */
+void mh_block_item_f64_avx512(const mh_attn_args *a, int64_t pair, int64_t q0, void *scratch);
+void mh_split_item_f64_avx512(const mh_attn_args *a, int64_t pair, int64_t range, void *scratch);
+void mh_merge_item_f64_avx512(const mh_attn_args *a, int64_t pair, void *scratch);
+void mh_linear_rows_item_f64_avx512(const mh_linear_args *a, int64_t item);
+void mh_exp_array_f64_avx512(const double *x, double *y, int64_t n);
+extern const mh_caps mh_caps_f64_avx512;
+MH_KERNEL_TABLE_F64_OF(avx512bf16, avx512)
+#else
 /* ---------------------------------------------------------------- float64 */
 #define T double
 #define V __m512d
@@ -407,11 +419,8 @@ static inline __m512d mh_exp2_f64_avx512(__m512d x)
 #define MH_HAS_SELECT 1
 #include "mh_instance.h"
 
-#ifdef MH_AVX512_DPBF16
-MH_KERNEL_TABLE(avx512bf16)
-#else
 MH_KERNEL_TABLE(avx512)
-#endif
+#endif /* MH_AVX512_DPBF16 */
 #else
 MH_EMPTY_TABLE(avx512)
 #endif

@@ -1,7 +1,8 @@
 /*
- * The avx512bf16 path: the AVX-512 kernels (mh_avx512.c) compiled again with
- * AVX512-BW and AVX512-BF16 enabled, which adds the bfloat16 pair-product
- * tile path (vdpbf16ps) for bfloat16 queries, keys and values.  The
+ * The avx512bf16 path: the AVX-512 float32 kernels (mh_avx512.c) compiled
+ * again with AVX512-BW and AVX512-BF16 enabled, which adds the bfloat16
+ * pair-product tile path (vdpbf16ps) for bfloat16 queries, keys and values;
+ * float64 calls go to the avx512 path's kernels.  The
  * dispatcher picks it only on CPUs that report AVX512_BF16 (CPUID leaf 7,
  * subleaf 1).  A compiler without those instructions (setup.py then drops
  * the flags) or a target other than x86-64 builds an empty table: no such

@@ -336,14 +336,17 @@ typedef struct mh_kernel_table {
 
 /* The table of kernel path `sfx`, at the end of its ISA file (mh_instance.h
    has defined the functions), and the empty table of a path the build has
-   not compiled (a foreign architecture, or a compiler without the ISA). */
-#define MH_KERNEL_TABLE(sfx)                                                               \
+   not compiled (a foreign architecture, or a compiler without the ISA).
+   MH_KERNEL_TABLE_F64_OF takes the float64 entries from path `sfx64`. */
+#define MH_KERNEL_TABLE_F64_OF(sfx, sfx64)                                                 \
     const mh_kernel_table mh_table_##sfx = {                                               \
-        #sfx, mh_block_item_f32_##sfx, mh_block_item_f64_##sfx, mh_split_item_f32_##sfx,    \
-        mh_split_item_f64_##sfx, mh_merge_item_f32_##sfx, mh_merge_item_f64_##sfx,          \
-        mh_linear_rows_item_f32_##sfx, mh_linear_rows_item_f64_##sfx,                      \
+        #sfx, mh_block_item_f32_##sfx, mh_block_item_f64_##sfx64, mh_split_item_f32_##sfx,  \
+        mh_split_item_f64_##sfx64, mh_merge_item_f32_##sfx, mh_merge_item_f64_##sfx64,      \
+        mh_linear_rows_item_f32_##sfx, mh_linear_rows_item_f64_##sfx64,                    \
         mh_linear_widen_f32_##sfx,                                                         \
-        mh_exp_array_f32_##sfx, mh_exp_array_f64_##sfx, &mh_caps_f32_##sfx, &mh_caps_f64_##sfx};
+        mh_exp_array_f32_##sfx, mh_exp_array_f64_##sfx64, &mh_caps_f32_##sfx,               \
+        &mh_caps_f64_##sfx64};
+#define MH_KERNEL_TABLE(sfx) MH_KERNEL_TABLE_F64_OF(sfx, sfx)
 #define MH_EMPTY_TABLE(sfx) const mh_kernel_table mh_table_##sfx = {0};
 
 /* Where each part of one work item's scratch starts, in elements of the
