@@ -789,6 +789,18 @@ cdef class AttentionCall:
             free(raw)
 
 
+cdef inline bint _plain_scale(object scale, int64_t E, double *s):
+    """*s = the score scale of a plain call (None: 1/sqrt(E)); False for anything but
+    None or a finite Python float (the general path checks and explains it)."""
+    if scale is None:
+        s[0] = 1.0 / sqrt(<double>E)
+    elif type(scale) is float and isfinite(<double>scale):
+        s[0] = scale
+    else:
+        return False
+    return True
+
+
 def attend_plain(object query, object key, object value, object scale, bint causal,
                  int threads, bint check_signals):
     """The output of a plain attention call (no mask, dropout, grouped heads, score
@@ -829,11 +841,7 @@ def attend_plain(object query, object key, object value, object scale, bint caus
     if pairs == 0 or qd[nd - 2] == 0 or qd[nd - 1] == 0 or kd[nd - 2] == 0 or \
             vd[nd - 1] == 0 or kd[nd - 1] != qd[nd - 1] or vd[nd - 2] != kd[nd - 2]:
         return None
-    if scale is None:
-        s = 1.0 / sqrt(<double>qd[nd - 1])
-    elif type(scale) is float and isfinite(<double>scale):
-        s = scale
-    else:
+    if not _plain_scale(scale, qd[nd - 1], &s):
         return None
     call = AttentionCall(typenum == cnp.NPY_FLOAT64,
                          (pairs, qd[nd - 2], kd[nd - 2], qd[nd - 1], vd[nd - 1]),
@@ -906,11 +914,7 @@ def attend_heads(object query, object key, object value, object out, int fmt, ob
             kd[0] != B or vd[0] != B or vd[1] != Hkv or kd[3] != E or vd[2] != S or \
             od[0] != B or od[1] != Hq or od[2] != L or od[3] != Ev:
         return False
-    if scale is None:
-        s = 1.0 / sqrt(<double>E)
-    elif type(scale) is float and isfinite(<double>scale):
-        s = scale
-    else:
+    if not _plain_scale(scale, E, &s):
         return False
     G = Hq // Hkv
     call = AttentionCall(False, (B * Hq, L, S, E, Ev), (fmt, fmt, fmt), (k, v), G, 0, False,
