@@ -1,4 +1,5 @@
-"""Property tests: random shapes, dtypes, strides, masks and values, against the oracle.
+"""Property tests: random shapes, dtypes, strides, masks, score features, grouped heads and
+cache sequences, against the oracle.
 
 Every call either matches the oracle or raises ValueError/TypeError.  "Matches"
 with non-finite values means: a row the oracle finds non-finite is non-finite
@@ -12,6 +13,7 @@ from hypothesis import strategies as st
 
 import manyheads as mh
 from manyheads import oracle
+from manyheads.cache import dequantize, quantize
 
 SPECIALS = [np.nan, np.inf, -np.inf, 1e30, -1e30, 1e-40, -1e-310, 0.0]
 
@@ -109,6 +111,111 @@ def test_random_calls_match_the_oracle_or_raise(problem):
                                                   v.astype(np.float64), attn_mask=mask,
                                                   is_causal=causal)
     check_against_oracle(out, ref, q, k, v)
+
+
+@st.composite
+def feature_problems(draw):
+    """Grouped query heads, the score features, log-sum-exp and masks together."""
+    dtype = draw(st.sampled_from([np.float32, np.float64]))
+    B, Hkv, G = draw(st.integers(1, 2)), draw(st.integers(1, 3)), draw(st.integers(1, 4))
+    L, S = draw(st.integers(1, 70)), draw(st.integers(1, 70))
+    E, Ev = draw(st.sampled_from([1, 8, 17, 64])), draw(st.sampled_from([1, 5, 64]))
+    q = draw(arrays((B, Hkv * G, L, E), dtype))
+    k = draw(arrays((B, Hkv, S, E), dtype))
+    v = draw(arrays((B, Hkv, S, Ev), dtype))
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    kw = {}
+    if draw(st.booleans()):
+        kw["softcap"] = draw(st.sampled_from([5.0, 30.0]))
+    if draw(st.booleans()):
+        kw["sinks"] = rng.standard_normal(Hkv * G).astype(np.float32)
+    if draw(st.booleans()):
+        shape = draw(st.sampled_from([(Hkv * G,), (B, Hkv * G)]))
+        kw["alibi_slopes"] = rng.random(shape).astype(np.float32)
+    causal = draw(st.booleans())
+    if not causal and draw(st.booleans()):
+        shape = draw(st.sampled_from([(L, S), (B, 1, L, S), (1, Hkv * G, L, S)]))
+        kw["attn_mask"] = rng.random(shape) > 0.3
+    return q, k, v, causal, G > 1, kw
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
+@given(feature_problems())
+def test_random_feature_calls_match_the_oracle(problem):
+    """Soft cap, sinks, ALiBi, boolean masks, grouped heads, odd strides and lse at once:
+    the output as in the test above, lse within 1e-4 (relative above 1), -inf where the
+    oracle's is."""
+    q, k, v, causal, gqa, kw = problem
+    out, lse = mh.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=gqa,
+                                               return_lse=True, **kw)
+    assert out.dtype == q.dtype and lse.dtype == np.float32
+    assert lse.shape == q.shape[:-1]
+    with np.errstate(all="ignore"):
+        ref, ref_lse = oracle.scaled_dot_product_attention(
+            q.astype(np.float64), k.astype(np.float64), v.astype(np.float64),
+            is_causal=causal, enable_gqa=gqa, return_lse=True, **kw)
+    kv = np.repeat(k, q.shape[1] // k.shape[1], axis=1)
+    check_against_oracle(out, ref, q, kv, v)
+    fin = np.isfinite(ref_lse)
+    assert np.array_equal(lse[~fin], ref_lse[~fin], equal_nan=True)
+    # a finite lse beyond float32's range is its infinity; and, as for the output,
+    # scores beyond the input type's range may leave a row non-finite where the
+    # oracle's is finite: then its output row is too
+    lost = fin & ~np.isfinite(lse)
+    with np.errstate(over="ignore"):
+        rounded = ref_lse.astype(np.float32)
+    assert np.all(((lse == rounded) | ~np.all(np.isfinite(out), axis=-1))[lost])
+    both = fin & ~lost
+    err = np.abs(lse[both].astype(np.float64) - ref_lse[both])
+    assert np.all(err <= 1e-4 * np.maximum(1, np.abs(ref_lse[both])))
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
+@given(st.sampled_from(["float32", "float16", "bfloat16", "int8", "int4"]),
+       st.integers(0, 2**32 - 1))
+def test_random_cache_sequences_match_the_oracle_on_the_stored_values(fmt, seed):
+    """A cache in any format, with or without a window, filled by a prompt and then a few
+    steps of 1 to 3 tokens, some with padding, through every score feature: each step's
+    output and lse against the oracle over the values the cache holds (quantize then
+    dequantize), the queries aligned to the end of the keys."""
+    rng = np.random.default_rng(seed)
+    B, Hkv, G = int(rng.integers(1, 3)), int(rng.integers(1, 4)), int(rng.integers(1, 5))
+    D = int(rng.choice([32, 64])) if fmt == "int4" else int(rng.choice([1, 5, 16, 64]))
+    window = None if rng.integers(2) else int(rng.integers(1, 40))
+    cache = mh.KVCache(B, 128, Hkv, D, fmt, window=window)
+    kw = {}
+    if rng.integers(2):
+        kw["softcap"] = 30.0
+    if rng.integers(2):
+        kw["sinks"] = rng.standard_normal(Hkv * G).astype(np.float32)
+    if rng.integers(2):
+        kw["alibi_slopes"] = rng.random((B, Hkv * G) if rng.integers(2) else Hkv * G
+                                        ).astype(np.float32)
+    keys = np.zeros((B, Hkv, 0, D))
+    values = np.zeros((B, Hkv, 0, D))
+    padded = np.zeros((B, 0), bool)
+    for T in [int(rng.integers(1, 70))] + [int(rng.integers(1, 4)) for _ in range(4)]:
+        q, k, v = (rng.standard_normal((B, h, T, D)).astype(np.float32)
+                   for h in (Hkv * G, Hkv, Hkv))
+        pad = rng.random((B, T)) < 0.3 if rng.integers(3) == 0 else None
+        out, lse = cache.attend(q, k, v, key_padding_mask=pad, return_lse=True, **kw)
+        keys = np.concatenate([keys, dequantize(*quantize(k, fmt), fmt)], axis=2)
+        values = np.concatenate([values, dequantize(*quantize(v, fmt), fmt)], axis=2)
+        padded = np.concatenate([padded, np.zeros((B, T), bool) if pad is None else pad], 1)
+        S = keys.shape[2]
+        i, j = np.arange(T)[:, None] + S - T, np.arange(S)[None]
+        seen = (j <= i) & (j > i - window if window else True)
+        mask = seen[None, None] & ~padded[:, None, None, :]
+        ref, ref_lse = oracle.scaled_dot_product_attention(
+            q.astype(np.float64), keys, values, attn_mask=mask, enable_gqa=G > 1,
+            return_lse=True, **kw)
+        # a row that sees nothing: zeros and lse -inf (or its sink)
+        assert np.all(np.abs(out - ref) <= 2e-5 * max(1.0, float(np.abs(values).max())))
+        assert np.array_equal(np.isfinite(lse), np.isfinite(ref_lse))
+        fin = np.isfinite(ref_lse)
+        assert np.all(lse[~fin] == ref_lse[~fin])
+        err = np.abs(lse[fin] - ref_lse[fin])
+        assert np.all(err <= 1e-4 * np.maximum(1, np.abs(ref_lse[fin])))
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
