@@ -2,6 +2,8 @@
 operator that torch.compile traces (runs when torch is installed: the test extra pins it)."""
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 torch = pytest.importorskip("torch")
 mht = pytest.importorskip("manyheads.torch")
@@ -370,3 +372,47 @@ def test_calls_the_direct_path_does_not_take_go_the_general_way(direct_calls):
     assert direct_calls == []
     with pytest.raises(ValueError, match="enable_gqa"):  # still the general path's error
         mht.scaled_dot_product_attention(q.detach(), k, v)
+
+
+def _view(t, how):
+    """t as the same values in another memory layout: token-major heads (a packed
+    projection's view), every other element of a wider tensor, or contiguous."""
+    if how == "heads":
+        return t.transpose(1, 2).contiguous().transpose(1, 2)
+    if how == "strided":
+        wide = torch.zeros(t.shape[:-1] + (2 * t.shape[-1],), dtype=t.dtype)
+        wide[..., 1::2] = t
+        return wide[..., 1::2]
+    return t
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
+@given(st.sampled_from([torch.float32, torch.float16, torch.bfloat16]),
+       st.integers(0, 2**32 - 1))
+def test_random_calls_equal_torch_sdpa(dtype, seed):
+    """Random shapes, grouped heads, layouts, causal or boolean/additive masks of every
+    broadcast shape, and scales, against torch's SDPA on the same tensors."""
+    rng = np.random.default_rng(seed)
+    B, Hkv, G = int(rng.integers(1, 3)), int(rng.integers(1, 4)), int(rng.integers(1, 4))
+    L, S = int(rng.choice([1, 2, 5, 17, 65, 130])), int(rng.choice([1, 7, 64, 65, 129]))
+    E, Ev = int(rng.choice([8, 64, 80])), int(rng.choice([8, 64]))
+    q, k, v = tensors((B, Hkv * G, L, E), (B, Hkv, S, E), (B, Hkv, S, Ev), dtype=dtype,
+                      seed=seed % 2**31)
+    q, k, v = (_view(t, rng.choice(["heads", "strided", "plain"])) for t in (q, k, v))
+    kw = {"is_causal": bool(rng.integers(2)), "enable_gqa": G > 1}
+    if rng.integers(2):
+        kw["scale"] = float(rng.choice([0.1, 0.5]))
+    if not kw["is_causal"] and rng.integers(2):
+        shape = [(L, S), (B, 1, L, S), (1, Hkv * G, L, S), (B, Hkv * G, L, S)][rng.integers(4)]
+        g = torch.Generator().manual_seed(seed % 2**31)
+        if rng.integers(2):
+            kw["attn_mask"] = torch.rand(shape, generator=g) > 0.3
+            kw["attn_mask"][..., 0] = True  # (a row that sees nothing: see the test above)
+        else:
+            kw["attn_mask"] = torch.randn(shape, generator=g, dtype=torch.float64).to(dtype)
+    with torch.inference_mode():
+        ours = mht.scaled_dot_product_attention(q, k, v, **kw)
+    mask = kw.get("attn_mask")
+    if mask is not None and mask.is_floating_point():  # (the same values, in float32)
+        kw["attn_mask"] = mask.float()
+    assert_close(ours, reference(q, k, v, **kw))
