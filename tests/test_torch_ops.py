@@ -407,7 +407,9 @@ def test_random_calls_equal_torch_sdpa(dtype, seed):
         g = torch.Generator().manual_seed(seed % 2**31)
         if rng.integers(2):
             kw["attn_mask"] = torch.rand(shape, generator=g) > 0.3
-            kw["attn_mask"][..., 0] = True  # (a row that sees nothing: see the test above)
+            # every row sees a key (where none does torch gives NaN and manyheads zeros:
+            # test_a_row_that_sees_no_key_is_zero_not_nan)
+            kw["attn_mask"][..., 0] = True
         else:
             kw["attn_mask"] = torch.randn(shape, generator=g, dtype=torch.float64).to(dtype)
     with torch.inference_mode():

@@ -11,8 +11,7 @@ publishes for Cython; nothing is linked at build time.  While such a call runs,
 SciPy's BLAS is held at one thread (reference-counted across concurrent calls),
 so its own pool never wakes up and every tile runs the same single-threaded
 kernel: results are the same bits for any thread count and any number of
-concurrent callers.  NumPy's own
-BLAS is not used inside a module call at all.
+concurrent callers.  NumPy's own BLAS is not used inside a module call at all.
 
 Without SciPy the projections fall back to NumPy's matmul on the calling
 thread (NumPy's BLAS pool then does the work; correct, but not one pool).
