@@ -279,6 +279,8 @@ def test_calls_that_are_not_plain_take_the_general_path_and_its_checks(rng):
     ]
     for a, b, c, s in declined:
         assert _kernels.attend_plain(a, b, c, s, False, 1, False) is None
+    for threads in (0, -1, 2.0, True, np.int64(2), "2"):  # the general path explains these
+        assert _kernels.attend_plain(q, k, v, None, False, threads, False) is None
     out = mh.scaled_dot_product_attention(q[:1], k, v)
     np.testing.assert_allclose(out, reference(np.broadcast_to(q[:1], q.shape), k, v),
                                rtol=0, atol=atol_for(np.float32))

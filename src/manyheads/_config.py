@@ -73,13 +73,18 @@ def set_num_threads(n: int | None) -> None:
     The default is OpenMP's own (``OMP_NUM_THREADS`` or the number of cores, and
     whatever limit threadpoolctl has put on the OpenMP runtime).
     """
-    if n is None:
-        _state["num_threads"] = None
-        return
-    _state["num_threads"] = min(check_num_threads(n, "n"), max_threads())
+    _state["num_threads"] = None if n is None else min(check_num_threads(n, "n"),
+                                                       max_threads())
+    _sync_threads()
 
 
 _OPENMP = bool(_kernels.openmp_enabled())
+
+
+def _sync_threads() -> None:
+    """Hand the thread settings to the kernels' module, which resolves each call's."""
+    _kernels.set_thread_settings(_state["num_threads"] or 0,
+                                 not _OPENMP or _state["forked"], _MAX_THREADS)
 
 
 def get_num_threads() -> int:
@@ -88,10 +93,8 @@ def get_num_threads() -> int:
     1 in a build without OpenMP, and in a process forked from one that had
     loaded manyheads (its OpenMP runtime's threads did not survive the fork).
     """
-    if not _OPENMP or _state["forked"]:
-        return 1
-    n = _state["num_threads"]
-    return int(n) if n is not None else max(1, int(_kernels.omp_max_threads()))
+    n: int = _kernels.default_threads()
+    return n
 
 
 def check_num_threads(n: object, name: str = "num_threads") -> int:
@@ -116,17 +119,20 @@ def max_threads() -> int:
     return _MAX_THREADS
 
 
+_sync_threads()
+
+
 def resolve_num_threads(n: object) -> int:
-    if n is None:
-        return min(get_num_threads(), _MAX_THREADS)
-    n = check_num_threads(n)
-    return min(n, _MAX_THREADS) if _OPENMP and not _state["forked"] else 1
+    """The threads of a call given its ``num_threads`` (None: the default)."""
+    t: int = _kernels.call_threads(n) or _kernels.call_threads(check_num_threads(n))
+    return t
 
 
 def _after_fork_in_child() -> None:
     """A forked child has one thread: the parent's OpenMP (and BLAS) pool threads are
     gone, and GNU OpenMP would wait for them forever.  Run serially from now on."""
     _state["forked"] = True
+    _sync_threads()
     _blas.reset_after_fork()
 
 

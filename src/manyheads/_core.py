@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import functools
 import math
-import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -442,12 +441,10 @@ def _set_features(call: Any, features: ScoreFeatures, lse: np.ndarray | None,
         call.set_lse(lv if group == 1 else _split_axis(lv, -3, group), nb)
 
 
-_MAIN_THREAD_ID = threading.main_thread().ident
-
-
 def _on_main_thread() -> bool:
     """Only the main thread receives signals: its long calls look for Ctrl-C."""
-    return threading.get_ident() == _MAIN_THREAD_ID
+    main: bool = _kernels.on_main_thread()
+    return main
 
 
 def _rows_ready(a: np.ndarray) -> np.ndarray:

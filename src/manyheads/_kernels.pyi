@@ -120,8 +120,13 @@ class AttentionCall:
         on Ctrl-C)."""
 
 def attend_plain(query: object, key: object, value: object, scale: object, causal: bool,
-                 threads: int, check_signals: bool) -> np.ndarray | None:
+                 num_threads: object, check_signals: bool | None = ...) -> np.ndarray | None:
     """A plain attention call's output, or None when it is not the simplest case."""
+
+def set_thread_settings(setting: int, serial: bool, most: int) -> None: ...
+def default_threads() -> int: ...
+def call_threads(n: object) -> int: ...
+def on_main_thread() -> bool: ...
 
 def attend_heads(query: object, key: object, value: object, out: object, fmt: int,
                  scale: object, causal: bool, window: int, threads: int,

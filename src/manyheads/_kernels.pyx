@@ -16,8 +16,11 @@ from libc.stdint cimport int8_t, int64_t, uint8_t, uint16_t, uint64_t, uintptr_t
 from libc.stdlib cimport calloc, free, malloc
 from libc.math cimport isfinite, sqrt
 from libc.string cimport memset
+from cpython.pythread cimport PyThread_get_thread_ident
 
 cimport numpy as cnp
+import threading
+
 import numpy as np
 
 cnp.import_array()
@@ -34,6 +37,7 @@ BLOCK_K = MH_BLOCK_K
 FEW_ROWS = MH_FEW_ROWS
 LINEAR_BLOCK_BYTES = MH_LINEAR_BLOCK_BYTES
 SIGNAL_CHECK_SECONDS = 0.05  # how often a long call looks for Ctrl-C
+cdef double SIGNAL_CHECK_WORK = 1 << 22  # a call of fewer multiply-adds never looks
 PATH_NAMES = {MH_PATH_TILE: "tile", MH_PATH_PAIRS: "tile, bfloat16 pair products",
               MH_PATH_FEW_ROWS: "few rows"}
 READ_NAMES = {MH_READ_IN_PLACE: "in place", MH_READ_COPIED: "copied",
@@ -140,6 +144,67 @@ def omp_max_threads():
     return mh_omp_max_threads()
 
 
+# ---- the threads a call asks for: _config's settings, kept here so that small calls
+# resolve them without Python (_config.get_num_threads and resolve_num_threads read them)
+cdef int _threads_setting = 0      # set_num_threads' value; 0: OpenMP's default
+cdef bint _threads_serial = False  # no OpenMP, or a forked child: every call on one thread
+cdef int _threads_most = 1         # the cap on any request (_config.max_threads)
+cdef unsigned long _main_thread = threading.main_thread().ident
+
+
+def set_thread_settings(int setting, bint serial, int most):
+    """_config's thread settings: set_num_threads' value (0: OpenMP's default), whether
+    every call runs on one thread, the cap on any request."""
+    global _threads_setting, _threads_serial, _threads_most
+    _threads_setting = setting
+    _threads_serial = serial
+    _threads_most = most
+
+
+cdef int _default_threads() noexcept:
+    """get_num_threads(): 1 when serial, else the setting or OpenMP's default."""
+    cdef int n
+    if _threads_serial:
+        return 1
+    if _threads_setting > 0:
+        return _threads_setting
+    n = mh_omp_max_threads()
+    return n if n > 1 else 1
+
+
+cdef int _call_threads(object n) except -1:
+    """The threads of a call that asks for ``n`` (None: the default), within the cap; 0
+    for anything but None or an int of at least 1 (its caller's checks explain it)."""
+    cdef int d
+    if n is None:
+        d = _default_threads()
+        return d if d < _threads_most else _threads_most
+    if type(n) is not int or n < 1:
+        return 0
+    if _threads_serial:
+        return 1
+    return _threads_most if n >= _threads_most else <int>n
+
+
+def default_threads():
+    """The threads of a call that does not say (``get_num_threads``)."""
+    return _default_threads()
+
+
+def call_threads(object n):
+    """The threads of a call that asks for ``n`` (see _call_threads; 0: not checked)."""
+    return _call_threads(n)
+
+
+cdef inline bint _on_main_thread() noexcept:
+    """Only the main thread receives signals: its long calls look for Ctrl-C."""
+    return PyThread_get_thread_ident() == _main_thread
+
+
+def on_main_thread():
+    return _on_main_thread()
+
+
 def openmp_entry_address():
     """Address of omp_get_max_threads as this extension bound it (0 without OpenMP)."""
     return <uintptr_t>mh_omp_entry_address()
@@ -211,7 +276,7 @@ cdef int _run_items(const Job *job, item_fn fn, int64_t n_items, int nt,
     cdef double t_start = 0, t_worked = 0
     cdef double *worked_ptr = &t_worked
     cdef double period = SIGNAL_CHECK_SECONDS
-    cdef double next_check = mh_seconds() + period
+    cdef double next_check = mh_seconds() + period if check_signals else 0
     cdef double *next_ptr = &next_check
     cdef int64_t it
     _active_calls += 1
@@ -511,22 +576,31 @@ def linear(x, w, bias, out, int num_threads, bint check_signals=False, int w_fmt
 
 
 cdef void _batch_offsets(cnp.ndarray view, int n_batch, int64_t *out) noexcept:
-    """Element offsets of every index over the first ``n_batch`` axes (C order)."""
-    cdef Py_ssize_t total = 1, i, rem
+    """Element offsets of every index over the first ``n_batch`` axes (C order), counted
+    as an odometer (a division per index and axis took most of a small call's setup)."""
+    cdef Py_ssize_t total = 1, i
     cdef int d
-    cdef int64_t off
-    cdef Py_ssize_t itemsize = view.itemsize
+    cdef int64_t off = 0
+    cdef int64_t step[64]
+    cdef int64_t idx[64]
+    cdef Py_ssize_t itemsize = cnp.PyArray_ITEMSIZE(view)
     cdef cnp.npy_intp *shape = cnp.PyArray_DIMS(view)
     cdef cnp.npy_intp *strides = cnp.PyArray_STRIDES(view)
     for d in range(n_batch):
         total *= shape[d]
+        step[d] = strides[d] // itemsize
+        idx[d] = 0
     for i in range(total):
-        rem = i
-        off = 0
-        for d in range(n_batch - 1, -1, -1):
-            off += (rem % shape[d]) * (strides[d] // itemsize)
-            rem //= shape[d]
         out[i] = off
+        d = n_batch - 1
+        while d >= 0:
+            idx[d] += 1
+            off += step[d]
+            if idx[d] < shape[d]:
+                break
+            off -= step[d] * shape[d]
+            idx[d] = 0
+            d -= 1
 
 
 cdef inline void *_data(object arr):
@@ -558,23 +632,36 @@ cdef class AttentionCall:
     cdef int64_t *_offsets  # 10 tables: q, k, v, out, mask, k_scale, v_scale, alibi, sinks, lse
     cdef int64_t _table_len
 
-    def __cinit__(self, bint float64, tuple shape, tuple formats, tuple kv,
-                  int64_t gqa=1, int mask=0, bint weights=False, bint dropout=False,
-                  int split=-1, int threads=1):
+    def __cinit__(self, *args, **kwargs):
+        self.table = _table
+        self._keep = []
+
+    def __init__(self, bint float64, tuple shape, tuple formats, tuple kv,
+                 int64_t gqa=1, int mask=0, bint weights=False, bint dropout=False,
+                 int split=-1, int threads=1):
         """shape: (query pairs, L, S, E, Ev); formats: storage codes of (q, k and v,
         out); kv: the (keys, values) arrays, for their row strides; gqa: query heads per
         kv head (1 without grouped-query attention); mask: 0 none, 1 the same for every
         query head, 2 per query head; split: -1 automatic, 0 never, 1 when allowed;
         threads: requested."""
-        cdef mh_call_desc *d = &self.desc
         cdef cnp.ndarray k = kv[0], v = kv[1]
-        self.table = _table
+        self._setup(float64, shape[0], shape[1], shape[2], shape[3], shape[4], formats[0],
+                    formats[1], formats[2], cnp.PyArray_STRIDES(k)[cnp.PyArray_NDIM(k) - 2],
+                    cnp.PyArray_STRIDES(v)[cnp.PyArray_NDIM(v) - 2], gqa, mask, weights,
+                    dropout, split, threads)
+
+    cdef int _setup(self, bint float64, int64_t n_pairs, int64_t q_len, int64_t kv_len,
+                    int64_t head_dim, int64_t v_dim, int q_format, int kv_format,
+                    int out_format, int64_t k_row_bytes, int64_t v_row_bytes, int64_t gqa,
+                    int mask, bint weights, bint dropout, int split, int threads) except -1:
+        """The constructor's work on C values (the plain calls' paths build calls with
+        ``AttentionCall.__new__`` and this, without the constructor's tuples)."""
+        cdef mh_call_desc *d = &self.desc
         self.is_f64 = float64
-        self._keep = []
-        d.n_pairs, d.q_len, d.kv_len, d.head_dim, d.v_dim = shape
-        d.q_format, d.kv_format, self.a.out_format = formats
-        d.k_row_bytes = cnp.PyArray_STRIDES(k)[cnp.PyArray_NDIM(k) - 2]
-        d.v_row_bytes = cnp.PyArray_STRIDES(v)[cnp.PyArray_NDIM(v) - 2]
+        d.n_pairs, d.q_len, d.kv_len, d.head_dim, d.v_dim = n_pairs, q_len, kv_len, head_dim, v_dim
+        d.q_format, d.kv_format, self.a.out_format = q_format, kv_format, out_format
+        d.k_row_bytes = k_row_bytes
+        d.v_row_bytes = v_row_bytes
         d.gqa = gqa
         d.elem_size = 8 if float64 else 4
         d.mask = mask > 0
@@ -589,6 +676,7 @@ cdef class AttentionCall:
                           &self.plan)
         # the query and output tables hold n_pairs * group entries
         self._table_len = (self.plan.n_pairs if self.plan.n_pairs > 0 else 1) * self.plan.group
+        free(self._offsets)
         self._offsets = <int64_t *>malloc(10 * sizeof(int64_t) * self._table_len)
         if self._offsets == NULL:
             raise MemoryError("cannot allocate the offset tables")
@@ -602,6 +690,7 @@ cdef class AttentionCall:
         self.a.kv_format = d.kv_format
         self.a.scale = 1.0
         self.a.mask_kind = MH_MASK_NONE
+        return 0
 
     def __dealloc__(self):
         free(self._offsets)
@@ -649,12 +738,12 @@ cdef class AttentionCall:
         op.col = strides[nd - 1] // view.itemsize
         return 0
 
-    def set_query(self, cnp.ndarray q, int n_batch):
+    cpdef set_query(self, cnp.ndarray q, int n_batch):
         """Queries (.., L, E) in the storage the call was planned with (a 16-bit format
         as uint16 bits).  With grouped heads the batch axes end with (kv heads, group)."""
         self._operand(&self.a.q, 0, q, n_batch)
 
-    def set_keys_values(self, cnp.ndarray k, cnp.ndarray v, int n_batch,
+    cpdef set_keys_values(self, cnp.ndarray k, cnp.ndarray v, int n_batch,
                         cnp.ndarray k_scale=None, cnp.ndarray v_scale=None):
         """Keys (.., S, E) and values (.., S, Ev) in the planned storage: 16-bit formats as
         uint16 bits, int8, or int4 as uint8 bytes (.., S, E/2); int8 takes per-row
@@ -666,7 +755,7 @@ cdef class AttentionCall:
             self._operand(&self.a.k_scale, 5, k_scale, n_batch)
             self._operand(&self.a.v_scale, 6, v_scale, n_batch)
 
-    def set_output(self, cnp.ndarray out, int n_batch):
+    cpdef set_output(self, cnp.ndarray out, int n_batch):
         """Output (.., L, Ev) in the planned storage (a 16-bit format as uint16 bits,
         rounded to nearest even as the kernels write it)."""
         self._operand(&self.a.out, 3, out, n_batch)
@@ -677,13 +766,13 @@ cdef class AttentionCall:
         self._operand(&self.a.mask, 4, mask, n_batch)
         self.a.mask_kind = MH_MASK_BOOL if mask.dtype == np.bool_ else MH_MASK_ADD
 
-    def set_causal(self, int64_t offset, int64_t window=0):
+    cpdef set_causal(self, int64_t offset, int64_t window=0):
         """Query i sees keys j <= i + offset (and j > i + offset - window if window > 0)."""
         self.a.causal.enabled = 1
         self.a.causal.offset = offset
         self.a.causal.window = window
 
-    def set_scale(self, double scale):
+    cpdef set_scale(self, double scale):
         self.a.scale = scale
 
     def set_softcap(self, double cap):
@@ -763,7 +852,7 @@ cdef class AttentionCall:
             self.a.split.row_sum = <char *>self.a.split.row_max + elem * rows
         return 0
 
-    def run(self, bint check_signals=False):
+    cpdef run(self, bint check_signals=False):
         """Run the plan's work items on its threads, GIL released.
 
         With ``check_signals`` (the main thread's calls) a pending Ctrl-C stops the
@@ -775,6 +864,9 @@ cdef class AttentionCall:
         cdef Job job
         if p.n_items == 0:
             return
+        # a call of little work ends before a Ctrl-C would wait on it: no clock reads
+        # (a tiny decoding call's items take less than a microsecond each)
+        check_signals = check_signals and p.work >= SIGNAL_CHECK_WORK
         self._prepare(&job)
         raw = malloc(job.stride * p.threads + MH_SCRATCH_ALIGN)
         if raw == NULL:
@@ -807,14 +899,15 @@ cdef inline bint _plain_scale(object scale, int64_t E, double *s):
 
 
 def attend_plain(object query, object key, object value, object scale, bint causal,
-                 int threads, bint check_signals):
+                 object num_threads, object check_signals=None):
     """The output of a plain attention call (no mask, dropout, grouped heads, score
     features, weights or log-sum-exp), or None when the call is not the simplest case
     this takes: C-contiguous aligned float32 or float64 arrays of one type and the same
     batch shape (..., L|S, E|Ev), every size at least 1, ``scale`` None or a finite
-    float.  The general path (``_core.attention``) takes everything else, and gives
-    these calls the same plan and the same bits; this one only leaves out its Python
-    layout work, most of a small call's time."""
+    float, ``num_threads`` None or an int of at least 1.  The general path
+    (``_core.attention``) takes everything else, and gives these calls the same plan
+    and the same bits; this one only leaves out its Python layout work, most of a small
+    call's time.  ``check_signals`` None: when called on the main thread."""
     cdef cnp.ndarray q, k, v, out
     cdef int nd, typenum, i
     cdef cnp.npy_intp *qd
@@ -823,8 +916,9 @@ def attend_plain(object query, object key, object value, object scale, bint caus
     cdef cnp.npy_intp dims[32]
     cdef int64_t pairs = 1
     cdef double s
-    if type(query) is not np.ndarray or type(key) is not np.ndarray or \
-            type(value) is not np.ndarray:
+    cdef int threads = _call_threads(num_threads)
+    if threads == 0 or type(query) is not cnp.ndarray or type(key) is not cnp.ndarray or \
+            type(value) is not cnp.ndarray:
         return None
     q, k, v = query, key, value
     nd = cnp.PyArray_NDIM(q)
@@ -848,10 +942,11 @@ def attend_plain(object query, object key, object value, object scale, bint caus
         return None
     if not _plain_scale(scale, qd[nd - 1], &s):
         return None
-    call = AttentionCall(typenum == cnp.NPY_FLOAT64,
-                         (pairs, qd[nd - 2], kd[nd - 2], qd[nd - 1], vd[nd - 1]),
-                         (<int>MH_STORE_F64,) * 3 if typenum == cnp.NPY_FLOAT64 else
-                         (<int>MH_STORE_F32,) * 3, (k, v), 1, 0, False, False, -1, threads)
+    cdef int fmt = MH_STORE_F64 if typenum == cnp.NPY_FLOAT64 else MH_STORE_F32
+    cdef AttentionCall call = AttentionCall.__new__(AttentionCall)
+    call._setup(typenum == cnp.NPY_FLOAT64, pairs, qd[nd - 2], kd[nd - 2], qd[nd - 1],
+                vd[nd - 1], fmt, fmt, fmt, cnp.PyArray_STRIDES(k)[nd - 2],
+                cnp.PyArray_STRIDES(v)[nd - 2], 1, 0, False, False, -1, threads)
     dims[nd - 2] = qd[nd - 2]
     dims[nd - 1] = vd[nd - 1]
     out = cnp.PyArray_EMPTY(nd, dims, typenum, 0)
@@ -861,7 +956,7 @@ def attend_plain(object query, object key, object value, object scale, bint caus
     if causal:
         call.set_causal(0, 0)
     call.set_scale(s)
-    call.run(check_signals)
+    call.run(_on_main_thread() if check_signals is None else check_signals)
     return out
 
 
@@ -899,10 +994,11 @@ def attend_heads(object query, object key, object value, object out, int fmt, ob
     cdef cnp.npy_intp *od
     cdef int64_t B, Hq, Hkv, G, L, S, E, Ev
     cdef int itemsize = 4 if fmt == MH_STORE_F32 else 2
+    cdef AttentionCall call
     cdef double s
     if (fmt != MH_STORE_F32 and fmt != MH_STORE_F16 and fmt != MH_STORE_BF16) or \
-            type(query) is not np.ndarray or type(key) is not np.ndarray or \
-            type(value) is not np.ndarray or type(out) is not np.ndarray:
+            type(query) is not cnp.ndarray or type(key) is not cnp.ndarray or \
+            type(value) is not cnp.ndarray or type(out) is not cnp.ndarray:
         return False
     q, k, v, o = query, key, value, out
     if cnp.PyArray_NDIM(q) != 4 or cnp.PyArray_NDIM(k) != 4 or cnp.PyArray_NDIM(v) != 4 or \
@@ -922,8 +1018,9 @@ def attend_heads(object query, object key, object value, object out, int fmt, ob
     if not _plain_scale(scale, E, &s):
         return False
     G = Hq // Hkv
-    call = AttentionCall(False, (B * Hq, L, S, E, Ev), (fmt, fmt, fmt), (k, v), G, 0, False,
-                         False, -1, threads)
+    call = AttentionCall.__new__(AttentionCall)
+    call._setup(False, B * Hq, L, S, E, Ev, fmt, fmt, fmt, cnp.PyArray_STRIDES(k)[2],
+                cnp.PyArray_STRIDES(v)[2], G, 0, False, False, -1, threads)
     if call.group != G:
         return False
     if G > 1:  # (B, Hkv, G, ..): each kv head's query heads together (splitting an

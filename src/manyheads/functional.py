@@ -159,9 +159,7 @@ def scaled_dot_product_attention(
         # the plainest call (contiguous arrays of one float type and batch shape): planned
         # and run in Cython, without the layout work below (most of a small call's time);
         # None for anything else, which the general path takes
-        res = _kernels.attend_plain(query, key, value, scale, is_causal,
-                                    _config.resolve_num_threads(num_threads),
-                                    _core._on_main_thread())
+        res = _kernels.attend_plain(query, key, value, scale, is_causal, num_threads)
         if res is not None:
             return res
     q, k, v, mask, p, causal, s, gqa, rw, nt, half = _checked(
