@@ -20,7 +20,6 @@ from cpython.pythread cimport PyThread_get_thread_ident
 
 cimport numpy as cnp
 import threading
-
 import numpy as np
 
 cnp.import_array()
@@ -202,6 +201,7 @@ cdef inline bint _on_main_thread() noexcept:
 
 
 def on_main_thread():
+    """Whether the caller is the main thread (the one that receives signals)."""
     return _on_main_thread()
 
 
@@ -744,7 +744,7 @@ cdef class AttentionCall:
         self._operand(&self.a.q, 0, q, n_batch)
 
     cpdef set_keys_values(self, cnp.ndarray k, cnp.ndarray v, int n_batch,
-                        cnp.ndarray k_scale=None, cnp.ndarray v_scale=None):
+                          cnp.ndarray k_scale=None, cnp.ndarray v_scale=None):
         """Keys (.., S, E) and values (.., S, Ev) in the planned storage: 16-bit formats as
         uint16 bits, int8, or int4 as uint8 bytes (.., S, E/2); int8 takes per-row
         float32 scales (.., S, 1), int4 float16 (scale, min) pairs per group as uint16
