@@ -441,10 +441,9 @@ def _set_features(call: Any, features: ScoreFeatures, lse: np.ndarray | None,
         call.set_lse(lv if group == 1 else _split_axis(lv, -3, group), nb)
 
 
-def _on_main_thread() -> bool:
-    """Only the main thread receives signals: its long calls look for Ctrl-C."""
-    main: bool = _kernels.on_main_thread()
-    return main
+#: whether the caller is the main thread: only it receives signals, so only its long
+#: calls look for Ctrl-C
+_on_main_thread = _kernels.on_main_thread
 
 
 def _rows_ready(a: np.ndarray) -> np.ndarray:
