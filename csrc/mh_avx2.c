@@ -35,12 +35,15 @@ static inline __m256 mh_load_u4_avx2(const uint8_t *p)
    nibbles), u[2] and u[3] the odd ones. */
 static inline void mh_load_u4_group_avx2(const uint8_t *p, __m256 *u)
 {
-    const __m128i b = _mm_loadu_si128((const __m128i *)p), low4 = _mm_set1_epi8(0x0f);
-    const __m128i lo = _mm_and_si128(b, low4), hi = _mm_and_si128(_mm_srli_epi16(b, 4), low4);
-    u[0] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo));
-    u[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)));
-    u[2] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
-    u[3] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)));
+    /* bytes 0-7 and 8-15 widened to 32 bits as they load; a byte's low nibble is its
+       even channel, its high nibble the odd one */
+    const __m256i low4 = _mm256_set1_epi32(0x0f);
+    const __m256i b0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
+    const __m256i b1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(p + 8)));
+    u[0] = _mm256_cvtepi32_ps(_mm256_and_si256(b0, low4));
+    u[1] = _mm256_cvtepi32_ps(_mm256_and_si256(b1, low4));
+    u[2] = _mm256_cvtepi32_ps(_mm256_srli_epi32(b0, 4));
+    u[3] = _mm256_cvtepi32_ps(_mm256_srli_epi32(b1, 4));
 }
 
 /* The 4 vectors of a group (channels 0-7, 8-15, 16-23, 24-31) to split order

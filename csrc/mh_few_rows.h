@@ -118,14 +118,14 @@ MH_INLINE void FN(i4_key_lanes)(const T *qp, int64_t ep, const T *qm, const char
                                 const float *sm, int64_t groups, V *out, const int R)
 {
     T mq[4] = {0, 0, 0, 0};
-    V u[MH_I4_MAX_GROUPS * MH_I4_GROUP / VW];
-    FN(u4_row)(krow, groups * (MH_I4_GROUP / VW), u);
     for (int r = 0; r < R; ++r) out[r] = V_ZERO();
     for (int64_t g = 0; g < groups; ++g) {
-        V dot[4];
+        V dot[4], u[MH_I4_VECS]; /* (a group widened at a time: fewer registers live) */
+        FN(u4_row)(krow + g * (MH_I4_GROUP / 2), MH_I4_VECS, u);
         for (int r = 0; r < R; ++r) dot[r] = V_ZERO();
-        for (int64_t c = g * (MH_I4_GROUP / VW); c < (g + 1) * (MH_I4_GROUP / VW); ++c)
-            for (int r = 0; r < R; ++r) dot[r] = V_FMA(V_LOAD(qp + r * ep + c * VW), u[c], dot[r]);
+        for (int c = 0; c < MH_I4_VECS; ++c)
+            for (int r = 0; r < R; ++r)
+                dot[r] = V_FMA(V_LOAD(qp + r * ep + g * MH_I4_GROUP + c * VW), u[c], dot[r]);
         const V sg = V_SET1((T)sm[2 * g]);
         for (int r = 0; r < R; ++r) {
             out[r] = V_FMA(dot[r], sg, out[r]);
@@ -440,11 +440,11 @@ MH_INLINE void FN(few_rows_output)(T *acc, int64_t evp, const T *alpha, const T 
         FN(few_rows_output_cols)(acc, evp, alpha, p, nk, v, c, N, R, fmt, select, pf);     \
         pf = FN(no_rows);                                                                  \
     } while (0)
-    for (; c + NC <= nvv; c += NC) MH_COLS(NC);
-    /* int4 groups wider than NVO vectors: whole groups first (nvv is a
-       multiple of MH_I4_VECS), so that they take the split path */
-    if (MH_I4_SPLIT && NVO < MH_I4_VECS && fmt == MH_STORE_I4 && NC > MH_I4_VECS)
+    /* int4 groups wider than NVO vectors: a group at a time for any rows (one row's
+       two groups' accumulators, values and scales would not fit in the registers) */
+    if (MH_I4_SPLIT && NVO < MH_I4_VECS && fmt == MH_STORE_I4)
         for (; c + MH_I4_VECS <= nvv; c += MH_I4_VECS) MH_COLS(MH_I4_VECS);
+    for (; c + NC <= nvv; c += NC) MH_COLS(NC);
     if (NC > NVO)
         for (; c + NVO <= nvv; c += NVO) MH_COLS(NVO);
     for (; c < nvv; ++c) MH_COLS(1);
