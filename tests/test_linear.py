@@ -125,7 +125,7 @@ def test_weights_in_their_own_precision_match_the_oracle(rng, fmt, rows):
         values = w.dequantize()
         # quantisation error: half a step of max|w| / 127 per weight
         assert np.abs(values - w32).max() <= np.abs(w32).max() / 254 * 1.0001
-        if rows <= _kernels.FEW_ROWS:
+        if rows <= _kernels.LINEAR_GROUPED_ROWS:  # the few-rows product, in groups
             xs = _int8_passes_rounded(x, w.group_size)
             # at most half a step of the pass's largest |x| / 32767 off
             assert np.abs(xs - x).max() <= np.abs(x).max() / 65534 * 1.0001
@@ -197,6 +197,40 @@ def test_stored_weights_give_the_same_bits_on_any_thread_count(rng, fmt, rows, k
     one = mh.linear(x, w, num_threads=1)
     for nt in (2, 3):
         np.testing.assert_array_equal(mh.linear(x, w, num_threads=nt), one)
+
+
+@pytest.mark.parametrize("fmt", ["float32", "bfloat16", "int8"])
+@pytest.mark.parametrize("rows", [5, 8, 9, 16, 17])
+def test_a_few_rows_more_than_one_pass_holds_run_in_groups_of_rows(rng, fmt, rows):
+    """Up to 8 rows (16 with weights stored in another format, which BLAS would have
+    widened) run the few-rows product on groups of up to four rows: every row the bits
+    it gets alone; more rows go through BLAS.  Both within float32 rounding of the
+    oracle on the values the weight stands for."""
+    k, n = 200, 1040
+    x = rng.standard_normal((rows, k)).astype(np.float32)
+    w32 = rng.standard_normal((k, n)).astype(np.float32)
+    b = rng.standard_normal(n).astype(np.float32)
+    if fmt == "int8":
+        w = mh.Int8Weight.quantize(w32)
+        values = w.dequantize()
+    else:
+        w = w32 if fmt == "float32" else _stored(w32, fmt)
+        values = w.astype(np.float32)
+    got = mh.linear(x, w, b, num_threads=2)
+    plan = _kernels.explain_linear(rows, k, n, 2, weight_format=fmt)
+    grouped = rows <= (_kernels.LINEAR_GROUPED_NATIVE_ROWS if fmt == "float32"
+                       else _kernels.LINEAR_GROUPED_ROWS)
+    assert grouped == (rows <= (8 if fmt == "float32" else 16))
+    if grouped:
+        assert plan["path"] == "few rows" and plan["row_groups"] == -(-rows // 4)
+        for r in range(rows):
+            np.testing.assert_array_equal(got[r], mh.linear(x[r], w, b, num_threads=1))
+        xs = _int8_passes_rounded(x, w.group_size) if fmt == "int8" else x
+    else:
+        assert plan["path"] != "few rows" and plan["row_groups"] == 1
+        xs = x
+    ref = xs.astype(np.float64) @ values.astype(np.float64) + b
+    np.testing.assert_allclose(got, ref, rtol=0, atol=2e-4)
 
 
 def test_stored_weights_are_read_in_place_from_strided_views(rng):

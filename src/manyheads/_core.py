@@ -459,7 +459,8 @@ def linear(x: np.ndarray, w: Any, bias: np.ndarray | None, num_threads: int) -> 
 
     x, bias and the result share one float dtype; w is of that dtype, or (float32)
     float16, bfloat16 or an :class:`~manyheads.weights.Int8Weight`, read in place and
-    widened as the kernels load it.  Runs on manyheads' threads: a few rows (decode)
+    widened as the kernels load it.  Runs on manyheads' threads: a few rows (decode;
+    up to 8 or, with weights in another format, 16 rows in groups of up to four)
     through the kernels' own memory-bound product, more rows as BLAS tiles (see
     ``_blas``; other weight formats are widened a stripe of columns at a time).  The
     result is the same bits for any thread count.
@@ -474,7 +475,8 @@ def linear(x: np.ndarray, w: Any, bias: np.ndarray | None, num_threads: int) -> 
     if k == 0:  # an empty sum: the bias alone
         out[...] = 0 if b is None else b
         return out.reshape(lead + (n,))
-    if x2.shape[0] <= _kernels.FEW_ROWS:  # the kernels' own product, no BLAS
+    if x2.shape[0] <= (_kernels.LINEAR_GROUPED_ROWS if fmt >= 0
+                       else _kernels.LINEAR_GROUPED_NATIVE_ROWS):  # the kernels' own product
         _kernels.linear(x2, data, b, out, int(num_threads), _on_main_thread(), fmt, scales,
                         group)
     elif _blas.available():

@@ -385,6 +385,15 @@ cdef int64_t STRIPE_BYTES = 1 << 20  # widened weights per stripe of the more-ro
 # one-row products 1.0-1.2x)
 cdef int64_t LINEAR_K_CHUNKS = 8
 cdef int64_t LINEAR_K_ROWS = 32      # ... of at least this many rows
+# up to this many rows: the few-rows product on groups of up to FEW_ROWS rows, each
+# group reading w once; more rows through BLAS.  A BLAS call on so few rows copies the
+# weights it reads into its own layout, every call, and weights stored in another
+# format are widened for it first: on 2 threads, 576 x 3072 with 8 rows took 1.3-3.2 ms
+# through BLAS, 0.3-0.9 ms as two 4-row groups (float32, bfloat16 and int8 weights); 16
+# rows took 0.6-1.2 ms against 1.4-1.8 ms with bfloat16 and int8 weights, but 1.4-1.7
+# ms against 1.1-1.3 ms with float32 ones (which BLAS reads as they are)
+LINEAR_GROUPED_ROWS = 16         # weights in a stored format (float32 x)
+LINEAR_GROUPED_NATIVE_ROWS = 8   # weights of x's own type
 cdef double LINEAR_READ_WEIGHT = 8   # a few-rows multiply-add against the planner's unit
 
 
@@ -450,10 +459,14 @@ def explain_linear(int64_t m, int64_t k, int64_t n, int num_threads, int itemsiz
     format, int8 scales in groups), as a dict: a tile is (rows, columns) of the output
     per work item."""
     cdef bint widened = weight_format not in ("float32", "float64")
+    cdef int64_t groups = 1
+    if MH_FEW_ROWS < m <= (LINEAR_GROUPED_ROWS if widened else LINEAR_GROUPED_NATIVE_ROWS):
+        groups = (m + MH_FEW_ROWS - 1) // MH_FEW_ROWS
+        m = (m + groups - 1) // groups  # the largest group's rows
     cdef LinearPlan p = _plan_linear(m, k, n, num_threads, itemsize, grouped, widened)
     path = "few rows" if m <= MH_FEW_ROWS else ("widened stripes" if widened else "BLAS tiles")
     return {"path": path, "work_items": p.n_items, "tile": (p.tile_m, p.tile_n),
-            "k_chunk": p.k_chunk, "threads": p.threads}
+            "k_chunk": p.k_chunk, "threads": p.threads, "row_groups": groups}
 
 
 cdef struct ReadJob:
@@ -502,8 +515,10 @@ def linear(x, w, bias, out, int num_threads, bint check_signals=False, int w_fmt
     (a storage code: float16, bfloat16 as uint16 bits, or int8 with float32 ``scales``
     (ceil(k / group), n), contiguous; int8 values are (k, n padded to a multiple of 16)
     in the kernels' blocked order, ``Int8Weight``'s storage).  x, w and out have
-    contiguous rows (row strides are read from the arrays; n from out's); more than
-    FEW_ROWS rows need the BLAS set by :func:`set_blas`.
+    contiguous rows (row strides are read from the arrays; n from out's).  Up to
+    FEW_ROWS rows: the kernels' own product, reading w once; up to LINEAR_GROUPED_ROWS
+    (w stored in another format) or LINEAR_GROUPED_NATIVE_ROWS (w of x's type) rows:
+    that product on groups of rows; more rows need the BLAS set by :func:`set_blas`.
     """
     cdef mh_linear_args a
     cdef Job job
@@ -533,6 +548,17 @@ def linear(x, w, bias, out, int num_threads, bint check_signals=False, int w_fmt
     if a.m == 0 or a.n == 0:
         return
     native = a.w_fmt == MH_STORE_F32 or a.w_fmt == MH_STORE_F64
+    if MH_FEW_ROWS < a.m <= (LINEAR_GROUPED_NATIVE_ROWS if native else LINEAR_GROUPED_ROWS):
+        # groups of rows as even as they come (5 rows as 3 + 2, 9 as 3 + 3 + 3); a row's
+        # sums do not depend on the rows beside it: the same bits as one row at a time
+        n_groups = (a.m + MH_FEW_ROWS - 1) // MH_FEW_ROWS
+        start = 0
+        for g in range(n_groups):
+            end = start + (a.m - start) // (n_groups - g)
+            linear(xa[start:end], w, bias, oa[start:end], num_threads, check_signals, w_fmt,
+                   scales, group)
+            start = end
+        return
     p = _plan_linear(a.m, a.k, a.n, num_threads, oa.dtype.itemsize,
                      a.w_fmt == MH_STORE_I8 and a.group < a.k, not native)
     a.tile_m = p.tile_m
