@@ -388,10 +388,10 @@ cdef int64_t LINEAR_K_ROWS = 32      # ... of at least this many rows
 # up to this many rows: the few-rows product on groups of up to FEW_ROWS rows, each
 # group reading w once; more rows through BLAS.  A BLAS call on so few rows copies the
 # weights it reads into its own layout, every call, and weights stored in another
-# format are widened for it first: on 2 threads, 576 x 3072 with 8 rows took 1.3-3.2 ms
+# format are widened for it first: on 2 threads, 576 x 3072 with 8 rows took 1.2-3.2 ms
 # through BLAS, 0.3-0.9 ms as two 4-row groups (float32, bfloat16 and int8 weights); 16
 # rows took 0.6-1.2 ms against 1.4-1.8 ms with bfloat16 and int8 weights, but 1.4-1.7
-# ms against 1.1-1.3 ms with float32 ones (which BLAS reads as they are)
+# ms against 1.2-1.3 ms with float32 ones (which BLAS reads as they are)
 LINEAR_GROUPED_ROWS = 16         # weights in a stored format (float32 x)
 LINEAR_GROUPED_NATIVE_ROWS = 8   # weights of x's own type
 cdef double LINEAR_READ_WEIGHT = 8   # a few-rows multiply-add against the planner's unit
@@ -549,7 +549,7 @@ def linear(x, w, bias, out, int num_threads, bint check_signals=False, int w_fmt
         return
     native = a.w_fmt == MH_STORE_F32 or a.w_fmt == MH_STORE_F64
     if MH_FEW_ROWS < a.m <= (LINEAR_GROUPED_NATIVE_ROWS if native else LINEAR_GROUPED_ROWS):
-        # groups of rows as even as they come (5 rows as 3 + 2, 9 as 3 + 3 + 3); a row's
+        # groups of rows as even as they come (5 rows as 2 + 3, 9 as 3 + 3 + 3); a row's
         # sums do not depend on the rows beside it: the same bits as one row at a time
         n_groups = (a.m + MH_FEW_ROWS - 1) // MH_FEW_ROWS
         start = 0
