@@ -2,15 +2,15 @@
 format, against the machine's read rate measured in the same run.
 
 Decoding one token reads every weight once, so a one-row product is bound by how fast
-the weights stream from memory.  The read rate is a plain streaming sum of a 512 MiB
-float32 buffer on manyheads' own threads (``_kernels.read_sum``: contiguous 64 KiB
-runs, the way the product reads a narrow weight).  Each product's weights are cold as
-in a deep model: enough copies of them (at least 256 MiB) are cycled through that none
-is in the last-level cache when it is read again.  NumPy's rounds come after
-manyheads' (OpenBLAS's threads spin after a call and would slow manyheads' threads if
-the two alternated).  Shapes are SmolLM2-135M's: the fused
-gate and up projection (576 x 3072), the down projection (1536 x 576) and the output
-head (576 x 49152).  NumPy's ``x @ W`` (float32, its BLAS's threads) is shown beside.
+the weights stream from memory. The read rate is a plain streaming sum of a 512 MiB
+float32 buffer on manyheads' own threads (``_kernels.read_sum``: items of 1 MiB, each
+read as four runs side by side, the way the product reads eight rows of a weight). Each
+product's weights are cold as in a deep model: enough copies of them (at least 256 MiB)
+are cycled through that none is in the last-level cache when it is read again. NumPy's
+rounds come after manyheads' (OpenBLAS's threads spin after a call and would slow
+manyheads' threads if the two alternated). Shapes are SmolLM2-135M's: the fused gate and
+up projection (576 x 3072), the down projection (1536 x 576) and the output head (576 x
+49152). NumPy's ``x @ W`` (float32, its BLAS's threads) is shown beside.
 
 Medians of interleaved rounds (the read rate: its best round, what the machine can do);
 every ratio from one run.

@@ -63,17 +63,21 @@ void mh_linear_merge_f32(const mh_linear_args *a, int64_t n_chunks) { MH_MERGE_B
 
 void mh_linear_merge_f64(const mh_linear_args *a, int64_t n_chunks) { MH_MERGE_BODY(double) }
 
-/* The sum of p[0 .. n): a plain streaming read of n floats (32 sums side by side, so
-   the adds keep up with the memory), for measuring the machine's read rate the way the
-   few-rows product reads its weights. */
+/* The sum of p[0 .. n): a plain streaming read of n floats, for measuring the
+   machine's read rate the way the few-rows product reads its weights, several runs side
+   by side: the four quarters of p, a line of each in turn (16 sums a quarter, so the
+   adds keep up with the memory). */
 float mh_read_sum(const float *p, int64_t n)
 {
-    float s[32] = {0};
-    int64_t i = 0;
-    for (; i + 32 <= n; i += 32)
-        for (int l = 0; l < 32; ++l) s[l] += p[i + l];
-    for (; i < n; ++i) s[0] += p[i];
+    float s[4][16] = {{0}};
+    const int64_t q = n / 64 * 16;
+    for (int64_t i = 0; i < q; i += 16)
+        for (int r = 0; r < 4; ++r)
+            for (int l = 0; l < 16; ++l) s[r][l] += p[r * q + i + l];
+    for (int64_t i = 4 * q; i < n; ++i) s[0][0] += p[i];
     float total = 0;
-    for (int l = 0; l < 32; ++l) total += s[l];
+    for (int r = 0; r < 4; ++r)
+        for (int l = 0; l < 16; ++l) total += s[r][l];
     return total;
 }
+
