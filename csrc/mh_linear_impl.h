@@ -134,7 +134,8 @@ MH_INLINE void FN(linear_accumulate)(const int fmt, const mh_linear_args *a, int
        runs, which the pass reads half as fast a byte, are still asked for a line of
        each row at a time (an Intel Xeon with AVX-512, weights from memory, AVX-512 and
        AVX2 kernels alike: 576 x 3072 1.06-1.09x, the 576 x 49152 output head
-       1.10-1.13x; not yet measured on AMD).  Half-precision weights whose block is the
+       1.10-1.13x; an AMD EPYC with AVX-512 measured the other way: the head 1.09-1.10x
+       faster without, 576 x 3072 about the same).  Half-precision weights whose block is the
        whole row (less than a vector left for the column tail) make the eight rows one
        run, asked for in order: a whole bfloat16 or float16 model's decoding step
        took 1.04-1.05x less time than asking each row for a line at a time.  Not
