@@ -276,6 +276,7 @@ typedef struct mh_linear_args {
     int64_t group;          /* I8: rows of k that share a scale */
     int64_t k_chunk;        /* few rows: rows of k per work item (k: one chunk) */
     void *partial;          /* several chunks: (chunks, rows, n) sums of the kernel's type */
+    int half_rows_ahead;    /* few rows: mh_half_rows_ahead() */
     mh_sgemm_fn sgemm;
     mh_dgemm_fn dgemm;
 } mh_linear_args;
@@ -430,9 +431,15 @@ typedef struct mh_cpu_features {
     unsigned os_ymm : 1; /* the OS saves YMM state */
     unsigned os_zmm : 1; /* ... and opmask and ZMM state */
     unsigned avx512bw : 1, avx512bf16 : 1;
+    unsigned intel : 1;  /* the vendor string is GenuineIntel */
 } mh_cpu_features;
 
 mh_cpu_features mh_cpu_detect(void);
+
+/* Whether the few-rows product asks for the next pass's rows of half-precision
+   weights in runs longer than MH_LINEAR_PREFETCH_RUN (mh_linear_impl.h): 1 on Intel
+   CPUs, whose prefetchers were measured to need it, 0 elsewhere. */
+int mh_half_rows_ahead(void);
 
 /* Name of `isa` (mh_isa_list.h), NULL when out of range.  The enum runs from
    the best path to the baseline. */

@@ -130,19 +130,21 @@ MH_INLINE void FN(linear_accumulate)(const int fmt, const mh_linear_args *a, int
        or 1536 half-precision columns) are too short for the hardware prefetchers to
        stream eight of them at the memory's rate, so the next pass is asked for as this
        one reads (measured: 1.1-1.4x at those widths).  Longer runs of float32 are left
-       to the hardware (asked for a line at a time: 0.91-0.96x); longer half-precision
-       runs, which the pass reads half as fast a byte, are still asked for a line of
-       each row at a time (an Intel Xeon with AVX-512, weights from memory, AVX-512 and
-       AVX2 kernels alike: 576 x 3072 1.06-1.09x, the 576 x 49152 output head
-       1.10-1.13x; an AMD EPYC with AVX-512 measured the other way: the head 1.09-1.10x
-       faster without, 576 x 3072 about the same).  Half-precision weights whose block is the
-       whole row (less than a vector left for the column tail) make the eight rows one
-       run, asked for in order: a whole bfloat16 or float16 model's decoding step
-       took 1.04-1.05x less time than asking each row for a line at a time.  Not
-       float32, whose pass reads four lines a vector: 0.96-0.97x. */
+       to the hardware (asked for a line at a time: 0.91-0.96x).  Longer half-precision
+       runs, which the pass reads half as fast a byte, are asked for a line of each row
+       at a time on Intel CPUs only (a->half_rows_ahead): weights from memory, an Intel
+       Xeon with AVX-512, AVX-512 and AVX2 kernels alike, 576 x 3072 1.06-1.09x, the
+       576 x 49152 output head 1.10-1.13x; an AMD EPYC with AVX-512 the other way, the
+       head 1.09-1.15x faster left to the hardware, 576 x 3072 within the noise).
+       Half-precision weights whose block is the whole row (less than a vector left for
+       the column tail) make the eight rows one run, asked for in order: a whole
+       bfloat16 or float16 model's decoding step took 1.04-1.05x less time than asking
+       each row for a line at a time.  Not float32, whose pass reads four lines a
+       vector: 0.96-0.97x. */
     const int whole = c0 == 0 && ld - nv * VW < VW;
     const int ahead = nv * VW * size > MH_LINEAR_PREFETCH_RUN
-                          ? (size == 2 ? MH_PASS_AHEAD_ROWS : MH_PASS_AHEAD_NONE)
+                          ? (size == 2 && a->half_rows_ahead ? MH_PASS_AHEAD_ROWS
+                                                            : MH_PASS_AHEAD_NONE)
                       : whole && size == 2 ? MH_PASS_AHEAD_RUN : MH_PASS_AHEAD_ROWS;
     int64_t kk = k0;
     for (; kk + 8 <= k1; kk += 8) {
