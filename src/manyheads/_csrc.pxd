@@ -179,6 +179,7 @@ cdef extern from "mh_kernels.h" nogil:
     ctypedef struct mh_team_barrier_t:
         long count, gen
     int mh_team_barrier(mh_team_barrier_t *b, int n)
+    void mh_read_ahead_until_arrival(const char *p, int64_t n, mh_team_barrier_t *b)
     int64_t mh_next_item(long *counter)
 
 
