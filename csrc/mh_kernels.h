@@ -423,7 +423,7 @@ typedef struct mh_team_barrier_t {
 } mh_team_barrier_t;
 int mh_team_barrier(mh_team_barrier_t *b, int n);
 /* Asks for [p, p + n) a cache line at a time until a thread arrives at *b: what a
-   thread does that would otherwise wait there for another's serial work. */
+   thread does that would otherwise only wait there for the others. */
 void mh_read_ahead_until_arrival(const char *p, int64_t n, mh_team_barrier_t *b);
 /* The next item of a shared counter (zero-initialised): 0, 1, 2, ... across threads. */
 int64_t mh_next_item(volatile long *counter);

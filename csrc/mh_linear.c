@@ -80,4 +80,3 @@ float mh_read_sum(const float *p, int64_t n)
         for (int l = 0; l < 16; ++l) total += s[r][l];
     return total;
 }
-

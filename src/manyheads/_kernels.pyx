@@ -1161,8 +1161,8 @@ cdef struct LayerStep:
 cdef struct Phase:
     void (*serial)(LayerStep *s) noexcept nogil  # NULL: items
     LayerStep *step
-    const char *ahead    # a serial phase: what the other threads ask for meanwhile
-    int64_t ahead_bytes
+    const char *ahead    # the next product's weights, asked for by a thread that would
+    int64_t ahead_bytes  # only wait at this phase's end (_run_phases)
     const Job *job
     item_fn item
     int64_t n_items
@@ -1318,8 +1318,8 @@ cdef long _run_phases(const Phase *ph, int n_phases, int nt, char *scratch, size
     return yields
 
 
-#: bytes of the next product's weights the idle threads ask for during a serial phase
-#: (they stop as soon as the serial phase ends)
+#: bytes of the next product's weights a thread asks for while it would only wait for
+#: the others (it stops as soon as one of them is done)
 cdef int64_t READ_AHEAD_BYTES = 1 << 19
 
 
@@ -1540,7 +1540,8 @@ cdef class DecodeProgram:
     cdef int _serial(self, int n, void (*fn)(LayerStep *s) noexcept nogil, LayerStep *s,
                      const mh_linear_args *ahead):
         """A serial phase; meanwhile the other threads ask for the first
-        READ_AHEAD_BYTES of the weights of ``ahead`` (the next product, NULL for none)."""
+        READ_AHEAD_BYTES of the weights of ``ahead`` (the next product, NULL for none),
+        each its share."""
         self.phases[n].serial = fn
         self.phases[n].step = s
         self._ahead(n, ahead)
