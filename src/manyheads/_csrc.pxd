@@ -35,6 +35,7 @@ cdef extern from "mh_kernels.h" nogil:
         int code, bits, scales, group
 
     const mh_storage_info mh_storage_table[]
+    int mh_storage_bits(int fmt)
 
     ctypedef struct mh_operand:
         const void *base

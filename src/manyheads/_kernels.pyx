@@ -1323,18 +1323,6 @@ cdef long _run_phases(const Phase *ph, int n_phases, int nt, char *scratch, size
 cdef int64_t READ_AHEAD_BYTES = 1 << 19
 
 
-cdef int64_t _weight_bytes(const mh_linear_args *a) noexcept nogil:
-    """Bytes of a product's stored weights (rows of w_row elements of its format)."""
-    cdef int64_t size = 4
-    if a.w_fmt == MH_STORE_F64:
-        size = 8
-    elif a.w_fmt == MH_STORE_F16 or a.w_fmt == MH_STORE_BF16:
-        size = 2
-    elif a.w_fmt == MH_STORE_I8:
-        size = 1
-    return a.k * a.w_row * size
-
-
 cdef float *_f32(arr):
     return NULL if arr is None else <float *>_data(arr)
 
@@ -1559,6 +1547,8 @@ cdef class DecodeProgram:
         return n + 1
 
     cdef void _ahead(self, int n, const mh_linear_args *ahead):
+        # (the stored weights: k rows of w_row elements of the format table's bits)
         self.phases[n].ahead = <const char *>ahead.w if ahead != NULL else NULL
-        self.phases[n].ahead_bytes = min(READ_AHEAD_BYTES, _weight_bytes(ahead)) \
+        self.phases[n].ahead_bytes = min(READ_AHEAD_BYTES, ahead.k * ahead.w_row
+                                         * mh_storage_bits(ahead.w_fmt) // 8) \
             if ahead != NULL else 0
