@@ -70,11 +70,10 @@ static unsigned long long mh_xgetbv0(void)
 
 mh_cpu_features mh_cpu_detect(void)
 {
-    mh_cpu_features f = {0, 0, 0, 0, 0, 0, 0, 0, 0, 0};
+    mh_cpu_features f = {0, 0, 0, 0, 0, 0, 0, 0, 0};
 #ifdef MH_X86
     unsigned r[4];
     mh_cpuid(0, 0, r);
-    f.intel = r[1] == 0x756e6547u && r[3] == 0x49656e69u && r[2] == 0x6c65746eu; /* "GenuineIntel" */
     if (r[0] < 7) return f; /* no leaf 7: no AVX2 */
     mh_cpuid(1, 0, r);
     f.fma = (r[2] >> 12) & 1;
@@ -106,11 +105,6 @@ static unsigned mh_cpu_feature_bits(void)
     if (f.os_zmm && f.avx512f) bits |= MH_CPU_AVX512;
     if (f.avx512bw && f.avx512bf16) bits |= MH_CPU_AVX512BF16;
     return bits;
-}
-
-int mh_half_rows_ahead(void)
-{
-    return mh_cpu_detect().intel;
 }
 
 int mh_cpu_supports(int isa)

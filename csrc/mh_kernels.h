@@ -247,7 +247,6 @@ typedef void (*mh_merge_fn)(const mh_attn_args *args, int64_t pair, void *scratc
    Every output element is summed over k in the same order whatever the
    tiling and thread count, so results are reproducible bit for bit. */
 #define MH_LINEAR_BLOCK_BYTES 32768 /* of a row of w per few-rows block (4 rows' sums: 128 KiB) */
-#define MH_LINEAR_PREFETCH_RUN 3072 /* bytes: rows of w read in runs this short are prefetched */
 /* what a few-rows pass asks for ahead of its reads (mh_linear_impl.h, FN(pass_cols)) */
 #define MH_PASS_AHEAD_NONE 0
 #define MH_PASS_AHEAD_ROWS 1 /* a line of each of the next pass's rows at a time */
@@ -276,7 +275,6 @@ typedef struct mh_linear_args {
     int64_t group;          /* I8: rows of k that share a scale */
     int64_t k_chunk;        /* few rows: rows of k per work item (k: one chunk) */
     void *partial;          /* several chunks: (chunks, rows, n) sums of the kernel's type */
-    int half_rows_ahead;    /* few rows: mh_half_rows_ahead() */
     mh_sgemm_fn sgemm;
     mh_dgemm_fn dgemm;
 } mh_linear_args;
@@ -434,15 +432,9 @@ typedef struct mh_cpu_features {
     unsigned os_ymm : 1; /* the OS saves YMM state */
     unsigned os_zmm : 1; /* ... and opmask and ZMM state */
     unsigned avx512bw : 1, avx512bf16 : 1;
-    unsigned intel : 1;  /* the vendor string is GenuineIntel */
 } mh_cpu_features;
 
 mh_cpu_features mh_cpu_detect(void);
-
-/* Whether the few-rows product asks for the next pass's rows of half-precision
-   weights in runs longer than MH_LINEAR_PREFETCH_RUN (mh_linear_impl.h): 1 on Intel
-   CPUs, whose prefetchers were measured to need it, 0 elsewhere. */
-int mh_half_rows_ahead(void);
 
 /* Name of `isa` (mh_isa_list.h), NULL when out of range.  The enum runs from
    the best path to the baseline. */

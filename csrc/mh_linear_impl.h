@@ -80,7 +80,8 @@ MH_INLINE V FN(eight_rows)(const V *xs, const V *w, V s)
    `prefetch` asks for the next pass's rows as this one reads its own (mh_kernels.h):
    MH_PASS_AHEAD_ROWS a line of each of its eight rows every line's worth of vectors,
    MH_PASS_AHEAD_RUN its 8 ldb bytes in order, as many a vector as this pass reads
-   (for rows that are one contiguous run). */
+   (for rows that are one contiguous run); into L2 (MH_PREFETCH_L2), as a pass of long
+   rows asks for more than L1 holds. */
 MH_INLINE void FN(pass_cols)(const int fmt, const V *xs, const char *q0, int64_t ldb,
                              int64_t nv, T *ar, const int prefetch)
 {
@@ -89,18 +90,18 @@ MH_INLINE void FN(pass_cols)(const int fmt, const V *xs, const char *q0, int64_t
     const char *q4 = q0 + 4 * ldb, *run = q0 + 8 * ldb;
     for (int64_t v = 0; v < nv; ++v, q0 += step, q4 += step) {
         if (prefetch == MH_PASS_AHEAD_RUN) {
-            for (int64_t b = 0; b < 8 * step; b += 64) MH_PREFETCH(run + b);
+            for (int64_t b = 0; b < 8 * step; b += 64) MH_PREFETCH_L2(run + b);
             run += 8 * step;
         } else if (prefetch == MH_PASS_AHEAD_ROWS && v % line == 0) {
             const char *n0 = q0 + 8 * ldb, *n4 = n0 + 4 * ldb;
-            MH_PREFETCH(n0);
-            MH_PREFETCH(n0 + ldb);
-            MH_PREFETCH(n0 + 2 * ldb);
-            MH_PREFETCH(n0 + ldb3);
-            MH_PREFETCH(n4);
-            MH_PREFETCH(n4 + ldb);
-            MH_PREFETCH(n4 + 2 * ldb);
-            MH_PREFETCH(n4 + ldb3);
+            MH_PREFETCH_L2(n0);
+            MH_PREFETCH_L2(n0 + ldb);
+            MH_PREFETCH_L2(n0 + 2 * ldb);
+            MH_PREFETCH_L2(n0 + ldb3);
+            MH_PREFETCH_L2(n4);
+            MH_PREFETCH_L2(n4 + ldb);
+            MH_PREFETCH_L2(n4 + 2 * ldb);
+            MH_PREFETCH_L2(n4 + ldb3);
         }
         V ws[8];
         ws[0] = FN(w_at)(fmt, q0);
@@ -126,26 +127,22 @@ MH_INLINE void FN(linear_accumulate)(const int fmt, const mh_linear_args *a, int
 {
     const T *x = (const T *)a->x;
     const int64_t ld = a->w_row, size = fmt == MH_NATIVE ? (int64_t)sizeof(T) : 2;
-    /* Runs of a row of at most MH_LINEAR_PREFETCH_RUN bytes (a narrow w: 576 float32
-       or 1536 half-precision columns) are too short for the hardware prefetchers to
-       stream eight of them at the memory's rate, so the next pass is asked for as this
-       one reads (measured: 1.1-1.4x at those widths).  Longer runs of float32 are left
-       to the hardware (asked for a line at a time: 0.91-0.96x).  Longer half-precision
-       runs, which the pass reads half as fast a byte, are asked for a line of each row
-       at a time on Intel CPUs only (a->half_rows_ahead): weights from memory, an Intel
-       Xeon with AVX-512, AVX-512 and AVX2 kernels alike, 576 x 3072 1.06-1.09x, the
-       576 x 49152 output head 1.10-1.13x; an AMD EPYC with AVX-512 the other way, the
-       head 1.09-1.15x faster left to the hardware, 576 x 3072 within the noise).
+    /* The hardware prefetchers alone do not stream eight rows of a pass at the
+       memory's rate, so each pass asks for the next as it reads (FN(pass_cols)).
        Half-precision weights whose block is the whole row (less than a vector left for
        the column tail) make the eight rows one run, asked for in order: a whole
        bfloat16 or float16 model's decoding step took 1.04-1.05x less time than asking
        each row for a line at a time.  Not float32, whose pass reads four lines a
-       vector: 0.96-0.97x. */
+       vector: 0.96-0.97x.  The next pass goes to L2: asked into L1, it pushed out
+       lines before they were read where the rows are long, and long rows were better
+       left to the hardware on an AMD EPYC (an Intel Xeon differed).  Into L2, on the
+       EPYC with AVX-512, weights from memory, alternating in one process against
+       asking into L1 for rows of at most 3072 bytes and leaving longer ones to the
+       hardware: whole SmolLM2-shaped decoding 1.05-1.08x (bfloat16), 1.05-1.07x
+       (float32); one row of 576 x 49152 bfloat16 1.12x, 576 x 3072 float32 1.11x,
+       1536 x 576 1.19x (bfloat16) and 1.26x (float32). */
     const int whole = c0 == 0 && ld - nv * VW < VW;
-    const int ahead = nv * VW * size > MH_LINEAR_PREFETCH_RUN
-                          ? (size == 2 && a->half_rows_ahead ? MH_PASS_AHEAD_ROWS
-                                                            : MH_PASS_AHEAD_NONE)
-                      : whole && size == 2 ? MH_PASS_AHEAD_RUN : MH_PASS_AHEAD_ROWS;
+    const int ahead = whole && size == 2 ? MH_PASS_AHEAD_RUN : MH_PASS_AHEAD_ROWS;
     int64_t kk = k0;
     for (; kk + 8 <= k1; kk += 8) {
         const char *q0 = (const char *)a->w + (kk * ld + c0) * size;
@@ -288,8 +285,8 @@ MH_INLINE void FN(linear_accumulate_i8)(const mh_linear_args *a, int64_t c0, int
     const T *x = (const T *)a->x;
     /* A block of a pass is one contiguous run (mh_linear_index), and so is the same
        block of the next pass: asked for in order as this one is read (a whole int8
-       model's decoding step: 1.06-1.07x, when only whole rows of at most
-       MH_LINEAR_PREFETCH_RUN bytes did so).  Into L2 (MH_PREFETCH_L2): the next one or
+       model's decoding step: 1.06-1.07x, when only whole rows of at most 3072 bytes
+       did so).  Into L2 (MH_PREFETCH_L2): the next one or
        two passes of a wide block are more than L1 holds, and asked into L1 they pushed
        out lines before they were read.  Measured on an AMD EPYC with AVX-512, weights
        from memory, alternating in one process: a whole int8 SmolLM2-shaped model's

@@ -128,7 +128,6 @@ cdef extern from "mh_kernels.h" nogil:
         int64_t group
         int64_t k_chunk
         void *partial
-        int half_rows_ahead
         mh_sgemm_fn sgemm
         mh_dgemm_fn dgemm
 
@@ -136,7 +135,6 @@ cdef extern from "mh_kernels.h" nogil:
     void mh_linear_tile_f32(const mh_linear_args *args, int64_t tile)
     void mh_linear_tile_f64(const mh_linear_args *args, int64_t tile)
     float mh_read_sum(const float *p, int64_t n)
-    int mh_half_rows_ahead()
     void mh_linear_merge_f32(const mh_linear_args *args, int64_t n_chunks)
     void mh_linear_merge_f64(const mh_linear_args *args, int64_t n_chunks)
     ctypedef void (*mh_linear_widen_fn)(const mh_linear_args *args, int64_t c0, int64_t cols,

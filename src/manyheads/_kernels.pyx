@@ -395,8 +395,6 @@ cdef int64_t LINEAR_K_ROWS = 32      # ... of at least this many rows
 LINEAR_GROUPED_ROWS = 16         # weights in a stored format (float32 x)
 LINEAR_GROUPED_NATIVE_ROWS = 8   # weights of x's own type
 cdef double LINEAR_READ_WEIGHT = 8   # a few-rows multiply-add against the planner's unit
-# few rows: ask for the next pass's rows of long half-precision runs (mh_kernels.h)
-cdef int _HALF_ROWS_AHEAD = mh_half_rows_ahead()
 
 
 cdef LinearPlan _plan_linear(int64_t m, int64_t k, int64_t n, int num_threads, int itemsize,
@@ -546,7 +544,6 @@ def linear(x, w, bias, out, int num_threads, bint check_signals=False, int w_fmt
     a.out_row = oa.strides[0] // oa.itemsize
     a.sgemm = _sgemm
     a.dgemm = _dgemm
-    a.half_rows_ahead = _HALF_ROWS_AHEAD
     job.lin = &a
     job.scratch = NULL
     job.stride = 0
@@ -1423,7 +1420,6 @@ cdef class DecodeProgram:
             p = _plan_linear(a.m, a.k, a.n, self.nt, 4,
                              a.w_fmt == MH_STORE_I8 and a.group < a.k, False)
             a.tile_m, a.tile_n, a.k_chunk = p.tile_m, p.tile_n, p.k_chunk
-            a.half_rows_ahead = _HALF_ROWS_AHEAD
             s.chunks[j] = p.chunks
             s.items[j] = p.n_items
             if p.chunks > 1:
