@@ -284,6 +284,26 @@ def test_int8_weight_gives_back_its_values_and_columns(rng, k, n):
     np.testing.assert_array_equal(w.columns(n - 1), values[:, n - 1])
 
 
+@pytest.mark.parametrize("fmt", ["float32", "bfloat16", "float16", "int8", "int8 groups"])
+def test_gather_columns_gives_the_embedding_rows_of_token_ids(rng, fmt):
+    """gather_columns (a token's embedding row from a (d, vocab) table, each decoding
+    step) gives columns ids of the weight's values as float32 rows, ids.shape + (d,),
+    negative ids counted from the end, and IndexError for ids out of range."""
+    from manyheads.weights import convert_weight, gather_columns
+    k, n = 37, 50
+    base = rng.standard_normal((k, n)).astype(np.float32)
+    w = mh.Int8Weight.quantize(base, 8) if fmt == "int8 groups" else convert_weight(base, fmt)
+    values = w.dequantize() if isinstance(w, mh.Int8Weight) else np.asarray(w, np.float32)
+    for ids in (np.array([[5]]), np.array([3, -1, 0, n - 1]), rng.integers(-n, n, (2, 3)),
+                np.array([4], np.uint32), np.zeros((2, 0), np.int64)):
+        rows = gather_columns(w, ids)
+        assert rows.dtype == np.float32 and rows.flags.c_contiguous
+        np.testing.assert_array_equal(rows, np.moveaxis(values[:, ids], 0, -1))
+    for bad in (n, -n - 1):
+        with pytest.raises(IndexError):
+            gather_columns(w, np.array([0, bad]))
+
+
 @pytest.mark.parametrize("fmt", ["bfloat16", "float16", "int8"])
 def test_a_module_runs_on_stored_projection_weights(rng, fmt):
     """MultiHeadAttention's W_qkv and W_out may be replaced by stored weights: the module

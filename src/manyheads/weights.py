@@ -9,6 +9,7 @@ array; the model runner uses it for ``from_pretrained(..., weight_dtype=...)``.
 """
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import numpy as np
@@ -130,9 +131,34 @@ class Int8Weight:
         out: np.ndarray = _columns_of(self._blocked, *self._shape, cols).astype(np.float32) * scales
         return out
 
+    def _column_rows(self, ids: np.ndarray) -> np.ndarray:
+        """Columns ``ids`` (an integer array, checked) as float32 rows, ids.shape + (k,):
+        the embedding rows of tokens, one gather with no (k, len) intermediate."""
+        k, n = self._shape
+        c = ids.astype(np.intp)
+        c = np.where(c < 0, c + n, c)
+        at = (c // _BLOCK * (_PASS * _BLOCK) + c % _BLOCK * 2)[..., None]
+        values = self._blocked.reshape(-1)[at + _row_offsets(k, self._blocked.shape[1])]
+        out = values.astype(np.float32)
+        if self._scales.shape[0] == 1:  # one scale a column
+            out *= self._scales[0, c][..., None]
+        else:
+            out *= self._scales[np.arange(k) // self._group_size, c[..., None]]
+        return out
+
     def __repr__(self) -> str:
         k, n = self.shape
         return f"Int8Weight(shape=({k}, {n}), group_size={self.group_size})"
+
+
+@functools.lru_cache(maxsize=32)
+def _row_offsets(k: int, width: int) -> np.ndarray:
+    """Where row kk of column 0 lies in blocked storage of rows ``width`` wide, kk < k
+    (mh_linear_index; a column's place adds to it)."""
+    kk = np.arange(k)
+    at = kk // _PASS * _PASS * width + kk % _PASS // 2 * (2 * _BLOCK) + kk % 2
+    at.flags.writeable = False
+    return at
 
 
 def _quantized(a: np.ndarray, g: int) -> tuple[np.ndarray, np.ndarray]:
@@ -260,5 +286,9 @@ def join_columns(parts: list[Any]) -> Any:
 def gather_columns(w: Any, ids: np.ndarray) -> np.ndarray:
     """Columns ``ids`` (any shape) of weight ``w`` (k, n) as float32, shape ids.shape + (k,):
     rows of an embedding table held as (d, vocab) columns."""
-    cols = w.columns(ids) if isinstance(w, Int8Weight) else w[:, ids]
-    return np.ascontiguousarray(np.moveaxis(cols, 0, -1), dtype=np.float32)
+    n = w.shape[1]
+    if ids.size and (ids.min() < -n or ids.max() >= n):
+        raise IndexError(f"index out of range for {n} columns")
+    if isinstance(w, Int8Weight):
+        return w._column_rows(ids)
+    return np.ascontiguousarray(w.T[ids], dtype=np.float32)
