@@ -19,6 +19,7 @@ float16 cache cannot hold: the blocks' decode then raises its ValueError).
 """
 from __future__ import annotations
 
+import itertools
 import operator
 import weakref
 from typing import Any, Sequence
@@ -113,7 +114,7 @@ class CompiledStep:
     def _weights(self) -> tuple[Any, ...]:
         """Every array the program reads of the blocks (compared by identity: one
         replaced by assignment means a new program)."""
-        return tuple(w for b in self.blocks for w in _block_weights(b))
+        return tuple(itertools.chain.from_iterable(map(_block_weights, self.blocks)))
 
     @classmethod
     def serves(cls, blocks: Sequence[Any], caches: Sequence[KVCache], rows: int,
@@ -132,7 +133,8 @@ class CompiledStep:
                 and all(r() is c for r, c in zip(self.cache_refs, caches))
                 and all(b is c for b, c in zip(blocks, self.blocks))
                 and _config.resolve_num_threads(None) == self.num_threads
-                and all(map(operator.is_, self._weights(), self.weights)))
+                and all(map(operator.is_, itertools.chain.from_iterable(
+                    map(_block_weights, self.blocks)), self.weights)))
 
     def __call__(self, x: np.ndarray, caches: Sequence[KVCache]) -> np.ndarray | None:
         """The residual stream after every block for one token a row, x (B, 1, d), through
