@@ -286,12 +286,12 @@ MH_INLINE void FN(linear_accumulate_i8)(const mh_linear_args *a, int64_t c0, int
     /* A block of a pass is one contiguous run (mh_linear_index), and so is the same
        block of the next pass: asked for in order as this one is read (a whole int8
        model's decoding step: 1.06-1.07x, when only whole rows of at most 3072 bytes
-       did so).  Into L2 (MH_PREFETCH_L2): the next one or
-       two passes of a wide block are more than L1 holds, and asked into L1 they pushed
-       out lines before they were read.  Measured on an AMD EPYC with AVX-512, weights
-       from memory, alternating in one process: a whole int8 SmolLM2-shaped model's
-       decoding 1.06-1.12x; the 576 x 49152 output head (blocks of part of a row, which
-       asked for nothing before) 1.13-1.25x. */
+       did so).  Into L2 (MH_PREFETCH_L2): the next one or two passes of a wide block
+       are more than L1 holds, and asked into L1 they pushed out lines before they
+       were read.  Measured on an AMD EPYC with AVX-512, weights from memory,
+       alternating in one process: a whole int8 SmolLM2-shaped model's decoding
+       1.06-1.12x; the 576 x 49152 output head (blocks of part of a row, which asked
+       for nothing before) 1.13-1.25x. */
     const int64_t pass = 8 * a->w_row; /* bytes */
     int64_t kk = k0;
     for (; kk < k1 && (kk & 7); ++kk)
