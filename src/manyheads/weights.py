@@ -139,7 +139,7 @@ class Int8Weight:
         c = np.where(c < 0, c + n, c)
         at = (c // _BLOCK * (_PASS * _BLOCK) + c % _BLOCK * 2)[..., None]
         values = self._blocked.reshape(-1)[at + _row_offsets(k, self._blocked.shape[1])]
-        out = values.astype(np.float32)
+        out: np.ndarray = values.astype(np.float32)
         if self._scales.shape[0] == 1:  # one scale a column
             out *= self._scales[0, c][..., None]
         else:
