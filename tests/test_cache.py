@@ -146,6 +146,29 @@ def test_left_padded_batch_equals_each_prompt_alone(rng, kind):
         np.testing.assert_allclose(dec[b], alone[-4:], rtol=0, atol=1e-10)
 
 
+def test_a_step_that_fails_after_writing_padding_leaves_none_behind(rng):
+    """A step whose padding was written before it failed: the cache goes on as if it had
+    never been (the padding of the slots it wrote is not taken for the next tokens'), on
+    the general path while the cache is marked and on the decoding path after
+    truncate() has looked again."""
+    m = make("fused")
+    x = normal(rng, (2, 8, 24))
+    cache = m.new_cache(2, 16)
+    pad = np.zeros((2, 6), bool)
+    pad[0, :3] = True
+    q, k, v = (normal(rng, (2, 4, 6, 8)) for _ in range(3))
+    with pytest.raises(RuntimeError, match="failed"):
+        with cache.step(6, key_padding_mask=pad) as st:
+            st.attend(q, k, v, scale=0.5, num_threads=1)
+            raise RuntimeError("failed")
+    assert len(cache) == 0
+    out = incremental(m, x, [4, 1, 1], cache)
+    assert not cache.padding.any()
+    cache.truncate(len(cache))
+    out = np.concatenate([out, incremental(m, x[:, 6:], [1, 1], cache)], axis=1)
+    np.testing.assert_allclose(out, m(x), rtol=0, atol=1e-10)
+
+
 def test_padding_mask_is_checked(rng):
     m = make("fused")
     x = normal(rng, (2, 5, 24))

@@ -152,6 +152,9 @@ class KVCache:
             self.value_scales = np.zeros_like(self.key_scales)
         self.padding: np.ndarray = np.zeros((self.batch_size, self.capacity), dtype=bool)
         self._len = 0
+        # False only while no slot of `padding` is True, the slots past the tokens
+        # included: a step that writes padding sets it first (CacheStep.attend), so a
+        # decoding step without padding need not clear its new slot
         self._any_padding = False
         self._busy = threading.Lock()
 
@@ -391,7 +394,6 @@ class KVCache:
         with _Held(self):  # (the module has checked the room: check_compatible)
             slot, n, offset, window = self._decode_slot()
             self._store(slice(None), slice(slot, slot + 1), k_new, v_new)
-            self.padding[:, slot] = False
             st = self._stored(slice(None), slice(0, n))
             if not _core.attend_decode(q, st.k, st.v, st.k_scale, st.v_scale, scale=scale,
                                        causal_offset=offset, window=window, softcap=softcap,
@@ -488,11 +490,12 @@ class CacheStep:
             kw["features"] = features
         alibi = None if features is None else features[2]
         any_pad = c._any_padding or (pad_new is not None and bool(pad_new.any()))
+        if any_pad:  # (before the padding is written: see KVCache._any_padding)
+            c._any_padding = True
         if past + T <= cap:
             # no wrap: slot == position
             c._store(heads, slice(past, past + T), k_new, v_new)
-            if pad_new is not None:
-                c.padding[:, past:past + T] = pad_new
+            c.padding[:, past:past + T] = False if pad_new is None else pad_new
             n = past + T
             mask = ~c.padding[:, None, None, :n] if any_pad else None
             st = c._stored(heads, slice(0, n))
