@@ -485,26 +485,29 @@ def test_the_compiled_step_on_one_thread_and_never_with_more_threads_than_cores(
     np.testing.assert_array_equal(results[1], results[_config.cores() + 1])
 
 
-def test_a_replaced_weight_is_read_by_the_next_compiled_step(pair, monkeypatch):
+@pytest.mark.parametrize("owner, name", [("block", "norm_mlp"), ("attn", "W_out")])
+def test_a_replaced_weight_is_read_by_the_next_compiled_step(pair, monkeypatch, owner, name):
     """The compiled step keeps pointers to the blocks' arrays; assigning a new array (a
-    norm weight here) between two steps on the same caches must be seen by the next
-    step, as the lean path (which reads the attribute each time) sees it."""
+    block's norm weight, an attention's projection) between two steps on the same caches
+    must be seen by the next step, as the lean path (which reads the attribute each
+    time) sees it."""
     from manyheads.models import llama
 
     family, _, _, model = pair
     block = model.blocks[-1]
+    obj = block if owner == "block" else block.attn
     ids = np.arange(7)[None] % VOCAB
-    before = block.norm_mlp
+    before = getattr(obj, name)
 
     def steps():
         caches = model.new_caches(1, 9)
         model.logits(ids, caches=caches)
         model.logits(ids[:, :1], caches=caches)  # a decoding step (the program is built)
         try:
-            block.norm_mlp = before * np.float32(3.0)
+            setattr(obj, name, before * np.float32(3.0))
             return model.logits(ids[:, 1:2], caches=caches, last_only=True)
         finally:
-            block.norm_mlp = before
+            setattr(obj, name, before)
 
     compiled = steps()
     monkeypatch.setattr(llama.Llama, "_decode_step", lambda self, caches, rows: None)

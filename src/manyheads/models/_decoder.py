@@ -205,11 +205,14 @@ class DecoderModel:
             arr = arr[None]
         if arr.ndim != 2:
             raise ValueError(f"ids must have shape (batch, tokens) or (tokens,), got {arr.shape}")
-        if arr.size and not np.issubdtype(arr.dtype, np.integer):
+        if arr.size and arr.dtype.kind not in "iu":
             raise TypeError(f"ids must be integer token ids, got dtype {arr.dtype}")
         if arr.shape[1] == 0 or arr.shape[0] == 0:
             raise ValueError(f"ids must hold at least one token per row, got shape {arr.shape}")
-        lo, hi = int(arr.min()), int(arr.max())
+        if arr.size == 1:  # (a decoding step's one id, without NumPy's reductions)
+            lo = hi = int(arr.item())
+        else:
+            lo, hi = int(arr.min()), int(arr.max())
         if lo < 0 or hi >= self.vocab_size:
             bad = lo if lo < 0 else hi
             raise ValueError(f"token id {bad} is outside the vocabulary: ids must be in "

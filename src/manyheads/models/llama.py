@@ -39,7 +39,7 @@ from .._kernels import FEW_ROWS
 from ._decoder import DecoderModel, eos_of, prepared, project, rms_norm
 from ..weights import join_columns
 from ._rope import LAYER_TYPES, Rotary, rope_parameters_of
-from ._step import CompiledStep
+from ._step import CompiledStep, Watched
 from .gpt2 import gelu_erf, gelu_tanh
 
 __all__ = ["Llama", "LlamaBlock", "DecoderAttention", "silu"]
@@ -62,11 +62,14 @@ ACTIVATIONS: dict[str, Callable[[np.ndarray], np.ndarray]] = {
 _ACT_NAMES: dict[Callable[[np.ndarray], np.ndarray], str] = {silu: "SwiGLU", gelu_tanh: "GeGLU (tanh)", gelu_erf: "GeGLU"}
 
 
-class DecoderAttention(MultiHeadAttention):
+class DecoderAttention(Watched, MultiHeadAttention):
     """The attention of a decoder layer: a fused :class:`~manyheads.MultiHeadAttention`
     whose queries and keys are RMS-normed per head (optional) and rotated by a
     :class:`~manyheads.models._rope.Rotary`, and whose output projection ``W_out``
     (num_heads * head_dim, d_model) maps the heads' width (``d_out``) to the model's."""
+
+    WATCHED = frozenset(("W_qkv", "b_qkv", "W_out", "b_out", "qk_norm", "eps", "sinks",
+                         "alibi_slopes"))
 
     def __init__(self, d_model: int, num_heads: int, num_kv_heads: int, head_dim: int,
                  context_length: int, qkv_bias: bool, *, rotary: Rotary,
@@ -118,8 +121,11 @@ class DecoderAttention(MultiHeadAttention):
         return project_rows(merged, prepared(self, "W_out"), self.b_out, num_threads)
 
 
-class LlamaBlock:
+class LlamaBlock(Watched):
     """One block: norm, attention, (norm,) residual; norm, gated MLP, (norm,) residual."""
+
+    WATCHED = frozenset(("attn", "norm_attn", "norm_mlp", "post_attn", "post_mlp",
+                         "w_gate_up", "b_gate_up", "w_down", "b_down", "eps", "act"))
 
     def __init__(self, attn: DecoderAttention, norms: dict[str, np.ndarray],
                  w_gate_up: np.ndarray, b_gate_up: np.ndarray | None, w_down: np.ndarray,
