@@ -302,6 +302,10 @@ def test_gather_columns_gives_the_embedding_rows_of_token_ids(rng, fmt):
     for bad in (n, -n - 1):
         with pytest.raises(IndexError):
             gather_columns(w, np.array([0, bad]))
+    if isinstance(w, mh.Int8Weight):  # the compiled gather checks its columns itself
+        with pytest.raises(IndexError, match="out of range"):
+            _kernels.gather_int8_columns(w._blocked, w._scales, k, w.group_size,
+                                         np.array([0, n], np.intp), np.empty((2, k), np.float32))
 
 
 @pytest.mark.parametrize("fmt", ["bfloat16", "float16", "int8"])

@@ -131,6 +131,7 @@ cdef extern from "mh_kernels.h" nogil:
         mh_sgemm_fn sgemm
         mh_dgemm_fn dgemm
 
+    int64_t mh_linear_index(const mh_linear_args *a, int64_t kk, int64_t c)
     ctypedef void (*mh_linear_rows_fn)(const mh_linear_args *args, int64_t block) noexcept nogil
     void mh_linear_tile_f32(const mh_linear_args *args, int64_t tile)
     void mh_linear_tile_f64(const mh_linear_args *args, int64_t tile)

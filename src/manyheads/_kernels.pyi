@@ -136,6 +136,12 @@ def attend_heads(query: object, key: object, value: object, out: object, fmt: in
     """A decoding-sized call on PyTorch-laid-out heads written into ``out``; False when
     it is not a call this takes (nothing done)."""
 
+def gather_int8_columns(blocked: npt.NDArray[np.int8], scales: npt.NDArray[np.float32], k: int,
+                        group: int, cols: npt.NDArray[np.intp],
+                        out: npt.NDArray[np.float32]) -> None:
+    """out[i] = column cols[i] of a (k, n) int8 weight in the kernels' blocked order,
+    times its scales."""
+
 def rms_norm_rows(x: npt.NDArray[np.float32], weight: npt.NDArray[np.float32], eps: float,
                   out: npt.NDArray[np.float32]) -> None:
     """out = x / sqrt(mean(x**2, -1) + eps) * weight, row by row."""

@@ -1082,6 +1082,36 @@ def rms_norm_rows(const float[:, ::1] x, const float[::1] weight, float eps,
                              &out[0, 0], out.shape[1])
 
 
+def gather_int8_columns(const signed char[:, ::1] blocked, const float[:, ::1] scales,
+                        int64_t k, int64_t group, const Py_ssize_t[::1] cols,
+                        float[:, ::1] out):
+    """out[i] = column cols[i] of a (k, n) int8 weight stored in the kernels' order
+    (``blocked``, mh_linear_index) times its scales (scales[kk // group, c] for row kk):
+    the embedding rows of tokens, read in place, one pass without temporaries (the
+    NumPy gather took 13 µs a token warm, about 90 with the caches cold)."""
+    cdef mh_linear_args a
+    cdef Py_ssize_t i, c, n = scales.shape[1]
+    cdef int64_t kk
+    cdef const signed char *w
+    if (k < 1 or group < 1 or scales.shape[0] != (k + group - 1) // group
+            or blocked.shape[0] < (k + 7) // 8 * 8 or blocked.shape[1] < (n + 15) // 16 * 16
+            or out.shape[0] != cols.shape[0] or out.shape[1] != k):
+        raise ValueError("gather_int8_columns: shapes differ")
+    for i in range(cols.shape[0]):
+        if not 0 <= cols[i] < n:
+            raise IndexError(f"column {cols[i]} is out of range for {n} columns")
+    memset(&a, 0, sizeof(a))
+    a.w_fmt = MH_STORE_I8
+    a.w_row = blocked.shape[1]
+    if cols.shape[0]:
+        w = &blocked[0, 0]
+        with nogil:
+            for i in range(cols.shape[0]):
+                c = cols[i]
+                for kk in range(k):
+                    out[i, kk] = w[mh_linear_index(&a, kk, c)] * scales[kk // group, c]
+
+
 def rotate_heads(cnp.ndarray x, const float[:, ::1] cos, const float[:, ::1] sin):
     """Rotate float32 x (B, H, T, D), any element strides, in place: each row's features
     (i, i + n) for i < n = cos.shape[1] become (a cos - b sin, b cos + a sin) with the

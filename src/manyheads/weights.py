@@ -9,12 +9,11 @@ array; the model runner uses it for ``from_pretrained(..., weight_dtype=...)``.
 """
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import numpy as np
 
-from . import _formats
+from . import _formats, _kernels
 from ._validate import dtype_name
 
 __all__ = ["Int8Weight", "WEIGHT_DTYPES", "convert_weight", "weight_format", "join_columns",
@@ -135,30 +134,16 @@ class Int8Weight:
         """Columns ``ids`` (an integer array, checked) as float32 rows, ids.shape + (k,):
         the embedding rows of tokens, one gather with no (k, len) intermediate."""
         k, n = self._shape
-        c = ids.astype(np.intp)
-        c = np.where(c < 0, c + n, c)
-        at = (c // _BLOCK * (_PASS * _BLOCK) + c % _BLOCK * 2)[..., None]
-        values = self._blocked.reshape(-1)[at + _row_offsets(k, self._blocked.shape[1])]
-        out: np.ndarray = values.astype(np.float32)
-        if self._scales.shape[0] == 1:  # one scale a column
-            out *= self._scales[0, c][..., None]
-        else:
-            out *= self._scales[np.arange(k) // self._group_size, c[..., None]]
-        return out
+        c = np.ascontiguousarray(ids, dtype=np.intp).reshape(-1)
+        if c.size and c.min() < 0:
+            c = np.where(c < 0, c + n, c)
+        out = np.empty((c.size, k), np.float32)
+        _kernels.gather_int8_columns(self._blocked, self._scales, k, self._group_size, c, out)
+        return out.reshape(ids.shape + (k,))
 
     def __repr__(self) -> str:
         k, n = self.shape
         return f"Int8Weight(shape=({k}, {n}), group_size={self.group_size})"
-
-
-@functools.lru_cache(maxsize=32)
-def _row_offsets(k: int, width: int) -> np.ndarray:
-    """Where row kk of column 0 lies in blocked storage of rows ``width`` wide, kk < k
-    (mh_linear_index; a column's place adds to it)."""
-    kk = np.arange(k)
-    at = kk // _PASS * _PASS * width + kk % _PASS // 2 * (2 * _BLOCK) + kk % 2
-    at.flags.writeable = False
-    return at
 
 
 def _quantized(a: np.ndarray, g: int) -> tuple[np.ndarray, np.ndarray]:
