@@ -1,5 +1,7 @@
 """Each call's plan, made once before any kernel runs: what mh.explain reports is what
 the call will do (schedule, grouped heads, paths and reads, threads, scratch)."""
+import os
+
 import numpy as np
 import pytest
 
@@ -161,13 +163,21 @@ def test_linear_plans_column_blocks_for_a_few_rows_and_blas_tiles_for_more():
     # (12.6 M multiply-adds: split even while threads were recently found without a core,
     # when calls below 8.4 M run on the calling thread alone)
     few = _kernels.explain_linear(1, 4096, 3072, 2)
-    # a row's sums fit in 32 KiB (8192 float32 columns): 8 chunks of k, one block of
-    # every column, each item a contiguous run of w
+    # a row's sums fit in 32 KiB (8192 float32 columns): chunks of k, one per core of the
+    # machine (2 to 8) whatever the call's threads and the weights' format (the sums'
+    # order never depends on them), one block of every column, each item a contiguous
+    # run of w
     assert _kernels.LINEAR_BLOCK_BYTES == 32768
-    assert few["path"] == "few rows" and few["work_items"] == 8 and few["tile"] == (1, 3072)
-    assert few["k_chunk"] == 512 and few["threads"] == 2
-    assert _kernels.explain_linear(1, 600, 576, 2)["k_chunk"] == 80  # a multiple of 8
-    assert _kernels.explain_linear(1, 100, 576, 2)["work_items"] == 3  # chunks of 32 rows or more
+    chunks = _kernels.LINEAR_K_CHUNKS
+    assert chunks == min(8, max(2, os.cpu_count() or 1))
+    assert few["path"] == "few rows" and few["tile"] == (1, 3072) and few["threads"] == 2
+    for fmt in ("float32", "bfloat16", "float16", "int8"):
+        for nt in (1, 2, 4):
+            plan = _kernels.explain_linear(1, 4096, 3072, nt, weight_format=fmt)
+            assert plan["work_items"] == chunks
+            assert plan["k_chunk"] % 8 == 0  # whole passes
+            assert plan["k_chunk"] * (chunks - 1) < 4096 <= plan["k_chunk"] * chunks
+    assert _kernels.explain_linear(1, 100, 576, 2)["work_items"] <= 3  # chunks of 32 rows or more
     assert _kernels.explain_linear(1, 40, 576, 2)["k_chunk"] == 40  # too shallow to cut
     # wider: blocks of at most 32 KiB of sums a row, as many per thread, all of k
     wide = _kernels.explain_linear(4, 576, 49152, 2)

@@ -19,6 +19,7 @@ from libc.string cimport memset
 from cpython.pythread cimport PyThread_get_thread_ident
 
 cimport numpy as cnp
+import os
 import threading
 import numpy as np
 
@@ -378,12 +379,18 @@ cdef struct LinearPlan:
 
 
 cdef int64_t STRIPE_BYTES = 1 << 20  # widened weights per stripe of the more-rows path
-# few rows of a narrow w: chunks of k ... (8, not 16: 576 rows made 15 chunks of 40, one
-# thread's share a chunk more than the other's, and each chunk's partial sums are written
-# and merged; 8 chunks, alternating with 16 in one process, whole SmolLM2-shaped decoding
-# steps on 2 threads: int8 weights 1.13x, bfloat16 1.05x, float32 unchanged; cold
-# one-row products 1.0-1.2x)
-cdef int64_t LINEAR_K_CHUNKS = 8
+# few rows of a narrow w: chunks of k, one per core of the machine, 2 to 8 (from the
+# machine, never the call's threads, so that the sums' order does not depend on them;
+# one count for every weight format, so that half-precision weights give the bits of
+# the same weights widened to float32).  Each chunk's sums are written and then added:
+# the fewer chunks the better, while there is one for each thread.  16 had made 576
+# rows 15 chunks of 40, one thread's share a chunk more than the other's; 8 took whole
+# SmolLM2-shaped decoding steps on 2 threads 1.13x less time with int8 weights and
+# 1.05x with bfloat16.  2 against 8 on 2 cores, alternating in one process: decoding
+# steps 1.06-1.18x (int8), 1.01-1.12x (bfloat16), 0.99-1.02x (float32); one cold row
+# of 576 x 3072 1.22x, 1.06x and 0.98x, of 1536 x 576 1.05x, 1.04x and 0.97x
+LINEAR_K_CHUNKS = min(8, max(2, os.cpu_count() or 1))
+cdef int64_t _k_chunks = LINEAR_K_CHUNKS
 cdef int64_t LINEAR_K_ROWS = 32      # ... of at least this many rows
 # up to this many rows: the few-rows product on groups of up to FEW_ROWS rows, each
 # group reading w once; more rows through BLAS.  A BLAS call on so few rows copies the
@@ -421,7 +428,7 @@ cdef LinearPlan _plan_linear(int64_t m, int64_t k, int64_t n, int num_threads, i
             # narrow: one block of every column, LINEAR_K_CHUNKS chunks of k (from the
             # shape alone, so the sums' order never depends on the threads)
             p.tile_n = n
-            p.chunks = min(LINEAR_K_CHUNKS, k // LINEAR_K_ROWS)
+            p.chunks = min(_k_chunks, k // LINEAR_K_ROWS)
             p.k_chunk = ((k + p.chunks - 1) // p.chunks + 7) // 8 * 8
             p.chunks = (k + p.k_chunk - 1) // p.k_chunk
             p.n_items = p.chunks
