@@ -439,3 +439,59 @@ def test_join_columns_widens_mixed_float_formats_and_refuses_int8_with_floats(rn
     assert join_columns([b, np.ones((6, 1))]).dtype == np.float64
     with pytest.raises(TypeError, match="int8"):
         join_columns([mh.Int8Weight.quantize(rng.standard_normal((6, 3))), b])
+
+
+@pytest.mark.parametrize("fmt", ["float32", "float64", "float16", "bfloat16", "int8"])
+@pytest.mark.parametrize("lead", [(1,), (3,), (2, 2)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_a_plain_few_row_call_gives_the_general_paths_bits(rng, fmt, lead, with_bias):
+    """A call of C-contiguous arrays of up to four rows is checked and set up in Cython
+    (_kernels.linear_plain), without the Python layout work of the general path; the
+    same call with x as a strided view takes the general path: both give the same bits,
+    for every weight format."""
+    from manyheads.weights import convert_weight
+    k, n = 200, 300
+    dtype = np.float64 if fmt == "float64" else np.float32
+    base = rng.standard_normal((k, n))
+    w = base.astype(dtype) if fmt in ("float32", "float64") else convert_weight(
+        base.astype(np.float32), fmt, 64 if fmt == "int8" else None)
+    x = rng.standard_normal(lead + (k,)).astype(dtype)
+    b = rng.standard_normal(n).astype(dtype) if with_bias else None
+    wide = np.zeros(lead + (2 * k,), dtype)
+    wide[..., ::2] = x
+    strided = wide[..., ::2]  # the same values, not C-contiguous
+    assert _kernels.linear_plain(strided, w, b, 2) is None
+    plain = _kernels.linear_plain(x, w, b, 2)
+    assert plain is not None and plain.shape == lead + (n,) and plain.dtype == dtype
+    general = mh.linear(strided, w, b, num_threads=2)
+    np.testing.assert_array_equal(plain, general)
+    np.testing.assert_array_equal(mh.linear(x, w, b, num_threads=1), general)
+    dense = w.astype(np.float64) if isinstance(w, np.ndarray) else w.dequantize()
+    ref = x.astype(np.float64) @ np.asarray(dense, np.float64) + (0 if b is None else b)
+    np.testing.assert_allclose(plain, ref, rtol=0, atol=1e-3 if dtype == np.float32 else 1e-10)
+
+
+@pytest.mark.parametrize("case", ["rows", "dtype", "shape", "bias", "weight", "threads"])
+def test_a_call_that_is_not_plain_goes_to_the_general_path(rng, case):
+    """linear_plain declines (None) whatever it does not take, and the general path then
+    answers: more than four rows, mixed dtypes, mismatched shapes, a bias of another
+    shape, a weight that is not an array or Int8Weight, a bad thread count."""
+    x = rng.standard_normal((1, 8)).astype(np.float32)
+    w = rng.standard_normal((8, 3)).astype(np.float32)
+    args = {"rows": (np.ones((5, 8), np.float32), w, None, 2),
+            "dtype": (x, w.astype(np.float64), None, 2),
+            "shape": (x, np.ones((9, 3), np.float32), None, 2),
+            "bias": (x, w, np.ones(4, np.float32), 2),
+            "weight": (x.astype(np.float64), w.tolist(), None, 2),
+            "threads": (x, w, None, 0)}[case]
+    assert _kernels.linear_plain(*args) is None
+    if case == "rows":
+        np.testing.assert_allclose(mh.linear(*args[:3]), np.ones((5, 8)) @ w, rtol=1e-5)
+    elif case == "weight":
+        np.testing.assert_allclose(mh.linear(*args[:3]), x.astype(np.float64) @ w, rtol=1e-5)
+    elif case == "threads":
+        with pytest.raises(ValueError, match="num_threads"):
+            mh.linear(*args[:3], num_threads=0)
+    else:
+        with pytest.raises((TypeError, ValueError)):
+            mh.linear(*args[:3])

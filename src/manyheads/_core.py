@@ -465,6 +465,9 @@ def linear(x: np.ndarray, w: Any, bias: np.ndarray | None, num_threads: int) -> 
     ``_blas``; other weight formats are widened a stripe of columns at a time).  The
     result is the same bits for any thread count.
     """
+    out = _kernels.linear_plain(x, w, bias, num_threads)  # a plain call of a few rows
+    if out is not None:
+        return out
     lead, k = x.shape[:-1], x.shape[-1]
     x2 = _rows_ready(x.reshape(math.prod(lead), k))
     fmt, data, scales, group, n = weight_parts(w)

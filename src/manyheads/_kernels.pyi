@@ -72,6 +72,13 @@ def linear(x: _FloatArray, w: np.ndarray, bias: _FloatArray | None, out: _FloatA
     """out (m, n) = x (m, k) @ w (k, n) (+ bias), rows contiguous; w of x's dtype or
     stored in format w_fmt (int8 with scales per group of rows, its values in the
     kernels' blocked order: Int8Weight's storage)."""
+def register_int8_weight(cls: type) -> None:
+    """Tell :func:`linear_plain` the Int8Weight class (manyheads.weights does, on import)."""
+
+def linear_plain(x: Any, w: Any, bias: Any, num_threads: Any,
+                 check_signals: bool | None = ...) -> np.ndarray | None:
+    """x @ w + bias of a plain call of up to FEW_ROWS rows (C-contiguous float arrays,
+    a weight of x's type, float16, bfloat16 or Int8Weight), or None for any other call."""
 class AttentionCall:
     """One attention call: its plan (made once, at construction, by the C planner)
     and the C struct of arguments the kernels read.

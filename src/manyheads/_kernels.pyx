@@ -516,6 +516,163 @@ cdef void _stripe_item(const Job *j, int64_t it, char *scratch) noexcept nogil:
     mh_linear_stripe_f32(j.lin, it, <float *>scratch, j.widen)
 
 
+cdef int _linear_few_rows(mh_linear_args *a, int num_threads, bint check_signals,
+                          bint f64) except -1:
+    """The kernels' own product of a (up to FEW_ROWS rows, every operand set but the
+    plan's fields): planned, run and its chunks' sums added."""
+    cdef Job job
+    cdef size_t itemsize = 8 if f64 else 4
+    cdef LinearPlan p = _plan_linear(a.m, a.k, a.n, num_threads, itemsize,
+                                     a.w_fmt == MH_STORE_I8 and a.group < a.k,
+                                     a.w_fmt != MH_STORE_F32 and a.w_fmt != MH_STORE_F64)
+    a.sgemm = _sgemm
+    a.dgemm = _dgemm
+    a.tile_m = p.tile_m
+    a.tile_n = p.tile_n
+    a.k_chunk = p.k_chunk
+    a.partial = NULL
+    job.lin = a
+    job.scratch = NULL
+    job.stride = 0
+    job.rows = _table.linear_rows_f64 if f64 else _table.linear_rows_f32
+    if p.chunks > 1:
+        a.partial = malloc(p.chunks * a.m * a.n * itemsize)
+        if a.partial == NULL:
+            raise MemoryError("cannot allocate the projection's partial sums")
+    try:
+        _run_items(&job, _rows_item, p.n_items, p.threads, check_signals)
+        if p.chunks > 1:
+            with nogil:
+                if f64:
+                    mh_linear_merge_f64(a, p.chunks)
+                else:
+                    mh_linear_merge_f32(a, p.chunks)
+    finally:
+        free(a.partial)
+        a.partial = NULL
+    return 0
+
+
+#: the class of manyheads.weights.Int8Weight (registered by that module), whose parts
+#: linear_plain reads
+cdef object _int8_weight_class = None
+
+
+def register_int8_weight(cls):
+    """Tell :func:`linear_plain` the Int8Weight class (manyheads.weights does, on import)."""
+    global _int8_weight_class
+    _int8_weight_class = cls
+
+
+#: ml_dtypes' bfloat16 type number once linear_plain has seen one (-1 before: it is
+#: given when the type is registered, so it is learnt, not assumed)
+cdef int _bf16_typenum = -1
+
+
+cdef bint _is_bf16(cnp.ndarray a):
+    global _bf16_typenum
+    if a.dtype.name == "bfloat16":
+        _bf16_typenum = cnp.PyArray_TYPE(a)
+        return True
+    return False
+
+
+cdef bint _plain_rows(cnp.ndarray a, int typenum):
+    """A C-contiguous, aligned array of native byte order and type ``typenum``."""
+    return cnp.PyArray_TYPE(a) == typenum and cnp.PyArray_IS_C_CONTIGUOUS(a) and \
+        cnp.PyArray_ISALIGNED(a) and cnp.PyArray_ISNOTSWAPPED(a)
+
+
+def linear_plain(object x, object w, object bias, object num_threads,
+                 object check_signals=None):
+    """``x @ w + bias`` of a plain call of up to FEW_ROWS rows, or None when the call is
+    not that case: x a C-contiguous aligned float32 or float64 array (..., k) of 1 to
+    FEW_ROWS rows, k at least 1; w (k, n), n at least 1, an array of x's type, or with
+    float32 x of float16 or bfloat16, whose rows are contiguous, aligned, in order and
+    apart, or an Int8Weight; bias None or a C-contiguous (n,) array of x's type;
+    ``num_threads`` None or an int of at least 1.  :func:`manyheads.linear`'s checks and
+    ``_core.linear`` take everything else, and give these calls the same plan and bits;
+    this one leaves out their Python work, most of a small product's time.
+    ``check_signals`` None: when called on the main thread."""
+    cdef cnp.ndarray xa, wa, ba = None, sa = None, out
+    cdef int nd, typenum, wt, i, fmt
+    cdef cnp.npy_intp dims[32]
+    cdef cnp.npy_intp *xd
+    cdef cnp.npy_intp *ws
+    cdef int64_t m = 1, k, n, group = 0
+    cdef Py_ssize_t wsize
+    cdef mh_linear_args a
+    cdef int threads = _call_threads(num_threads)
+    if threads == 0 or type(x) is not cnp.ndarray:
+        return None
+    xa = x
+    nd = cnp.PyArray_NDIM(xa)
+    typenum = cnp.PyArray_TYPE(xa)
+    if nd < 1 or nd > 32 or (typenum != cnp.NPY_FLOAT32 and typenum != cnp.NPY_FLOAT64) or \
+            not _plain_rows(xa, typenum):
+        return None
+    xd = cnp.PyArray_DIMS(xa)
+    k = xd[nd - 1]
+    for i in range(nd - 1):
+        m *= xd[i]
+        dims[i] = xd[i]
+    if k < 1 or m < 1 or m > MH_FEW_ROWS:
+        return None
+    if type(w) is cnp.ndarray:
+        wa = w
+        if cnp.PyArray_NDIM(wa) != 2 or cnp.PyArray_DIMS(wa)[0] != k:
+            return None
+        wt = cnp.PyArray_TYPE(wa)
+        wsize = cnp.PyArray_ITEMSIZE(wa)
+        if wt == typenum:
+            fmt = MH_STORE_F64 if typenum == cnp.NPY_FLOAT64 else MH_STORE_F32
+        elif typenum == cnp.NPY_FLOAT32 and wt == cnp.NPY_FLOAT16:
+            fmt = MH_STORE_F16
+        elif typenum == cnp.NPY_FLOAT32 and wsize == 2 and (
+                wt == _bf16_typenum or _bf16_typenum < 0 and _is_bf16(wa)):
+            fmt = MH_STORE_BF16
+        else:
+            return None
+        n = cnp.PyArray_DIMS(wa)[1]
+        ws = cnp.PyArray_STRIDES(wa)
+        if n < 1 or not _rows_in_place(wa, <int>wsize) or ws[0] < n * wsize:
+            return None
+    elif type(w) is _int8_weight_class and typenum == cnp.NPY_FLOAT32:
+        wa = w._blocked
+        sa = w.scales
+        group = w.group_size
+        n = w.shape[1]
+        if w.shape[0] != k or n < 1:
+            return None
+        fmt = MH_STORE_I8
+    else:
+        return None
+    if bias is not None:
+        if type(bias) is not cnp.ndarray:
+            return None
+        ba = bias
+        if cnp.PyArray_NDIM(ba) != 1 or cnp.PyArray_DIMS(ba)[0] != n or \
+                not _plain_rows(ba, typenum):
+            return None
+    dims[nd - 1] = n
+    out = cnp.PyArray_EMPTY(nd, dims, typenum, 0)
+    memset(&a, 0, sizeof(mh_linear_args))
+    a.m, a.k, a.n = m, k, n
+    a.x = _data(xa)
+    a.x_row = k
+    a.w = _data(wa)
+    a.w_row = cnp.PyArray_STRIDES(wa)[0] // cnp.PyArray_ITEMSIZE(wa)
+    a.w_fmt = fmt
+    a.w_scales = <const float *>_data(sa) if sa is not None else NULL
+    a.group = group if group > 0 else k
+    a.bias = _data(ba) if ba is not None else NULL
+    a.out = _data(out)
+    a.out_row = n
+    _linear_few_rows(&a, threads, _on_main_thread() if check_signals is None
+                     else check_signals, typenum == cnp.NPY_FLOAT64)
+    return out
+
+
 def linear(x, w, bias, out, int num_threads, bint check_signals=False, int w_fmt=-1,
            scales=None, int64_t group=0):
     """out (m, n) = x (m, k) @ w (k, n) (+ bias (n,)), x, bias and out of one float dtype.
@@ -568,29 +725,15 @@ def linear(x, w, bias, out, int num_threads, bint check_signals=False, int w_fmt
                    scales, group)
             start = end
         return
+    if a.m <= MH_FEW_ROWS:
+        _linear_few_rows(&a, num_threads, check_signals, f64)
+        return
     p = _plan_linear(a.m, a.k, a.n, num_threads, oa.dtype.itemsize,
                      a.w_fmt == MH_STORE_I8 and a.group < a.k, not native)
     a.tile_m = p.tile_m
     a.tile_n = p.tile_n
     a.k_chunk = p.k_chunk
     a.partial = NULL
-    if a.m <= MH_FEW_ROWS:
-        job.rows = _table.linear_rows_f64 if f64 else _table.linear_rows_f32
-        if p.chunks > 1:
-            a.partial = malloc(p.chunks * a.m * a.n * oa.dtype.itemsize)
-            if a.partial == NULL:
-                raise MemoryError("cannot allocate the projection's partial sums")
-        try:
-            _run_items(&job, _rows_item, p.n_items, p.threads, check_signals)
-            if p.chunks > 1:
-                with nogil:
-                    if f64:
-                        mh_linear_merge_f64(&a, p.chunks)
-                    else:
-                        mh_linear_merge_f32(&a, p.chunks)
-        finally:
-            free(a.partial)
-        return
     if not has_blas():
         raise RuntimeError("no BLAS set for projections of more than FEW_ROWS rows")
     if native:

@@ -329,6 +329,9 @@ def linear(x: Any, weight: Any, bias: Any = None, *, num_threads: int | None = N
     -------
     ndarray, shape (..., out_features), of x's dtype
     """
+    out = _kernels.linear_plain(x, weight, bias, num_threads)  # checked there (a plain call)
+    if out is not None:
+        return out
     xa = as_float_array(x, "x")
     if not isinstance(weight, (np.ndarray, Int8Weight)):  # an array-like: float64 or float32
         weight = as_float_array(weight, "weight")
