@@ -436,6 +436,45 @@ def test_the_compiled_step_follows_truncated_caches_and_changed_settings(pair, m
     assert not np.array_equal(compiled[3], compiled[2])
 
 
+def test_a_full_cache_raises_in_the_compiled_step_as_in_the_lean_path(pair, monkeypatch):
+    """A cache made for fewer tokens than are decoded: the token that would pass its
+    max_len raises the lean path's ValueError, and leaves the caches as they were, also
+    when the compiled step served the tokens before (it must not wrap around into the
+    first slots)."""
+    from manyheads.models import llama
+
+    family, _, _, model = pair
+    ids = np.arange(5)[None] % VOCAB
+    used = []
+    compiled_step = llama.Llama._decode_step
+
+    def counted_step(self, caches, rows):
+        step = compiled_step(self, caches, rows)
+        used.append(step is not None)
+        return step
+
+    def run():
+        caches = model.new_caches(1, 7)
+        z = model.logits(ids, caches=caches, last_only=True)
+        for _ in range(2):  # tokens 6 and 7: the caches are then full
+            z = model.logits(np.argmax(z[:, -1], axis=-1)[:, None], caches=caches,
+                             last_only=True)
+        kept = [(c.keys.copy(), c.values.copy()) for c in caches]
+        with pytest.raises(ValueError, match="cache is full"):
+            model.logits(np.argmax(z[:, -1], axis=-1)[:, None], caches=caches)
+        assert all(len(c) == 7 for c in caches)
+        for c, (k, v) in zip(caches, kept):
+            np.testing.assert_array_equal(c.keys, k)
+            np.testing.assert_array_equal(c.values, v)
+        return z
+
+    monkeypatch.setattr(llama.Llama, "_decode_step", counted_step)
+    compiled = run()
+    assert used[:2] == [True, True]
+    monkeypatch.setattr(llama.Llama, "_decode_step", lambda self, caches, rows: None)
+    np.testing.assert_array_equal(compiled, run())
+
+
 def test_the_compiled_step_keeps_no_cache_alive(pair):
     """The model remembers its compiled step between tokens, but refers to the caches
     weakly: a generation's caches, and their arrays (which the step's attention calls

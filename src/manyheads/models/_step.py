@@ -166,8 +166,8 @@ class CompiledStep:
             last = built[i] if built is not None else None
             same = last is not None and all(map(operator.is_, stored, last[1])) and \
                 settings == last[2]
-            if not same or len(c) + 1 > a.context_length:
-                a._check_cache_call(c, None, B, 1)
+            if not same or len(c) + 1 > min(a.context_length, c.max_len):
+                a._check_cache_call(c, None, B, 1)  # (a full cache raises here)
             slot, n, offset, window = c._decode_slot()
             call = None
             if same and last is not None and last[0].retarget(n, offset, window or 0):
