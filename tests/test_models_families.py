@@ -393,6 +393,23 @@ def test_the_decode_steps_are_the_general_step_bit_for_bit(pair, monkeypatch):
             np.testing.assert_array_equal(b, c, err_msg=f"cache {fmt}")
 
 
+def count_compiled_steps(monkeypatch, record=lambda step: step is not None):
+    """Llama's decoding steps as before, with ``record(step)`` of each (the compiled step,
+    or None where the lean path runs) appended to the list returned."""
+    from manyheads.models import llama
+
+    compiled_step = llama.Llama._decode_step
+    seen = []
+
+    def counted_step(self, caches, rows):
+        step = compiled_step(self, caches, rows)
+        seen.append(record(step))
+        return step
+
+    monkeypatch.setattr(llama.Llama, "_decode_step", counted_step)
+    return seen
+
+
 def test_the_compiled_step_follows_truncated_caches_and_changed_settings(pair, monkeypatch):
     """The compiled step keeps each layer's attention call from token to token, planned
     again for one key more.  Caches rolled back mid-stream, and a module setting changed
@@ -402,13 +419,6 @@ def test_the_compiled_step_follows_truncated_caches_and_changed_settings(pair, m
     family, _, _, model = pair
     ids = np.stack([np.arange(5), np.arange(5)[::-1] * 3]) % VOCAB
     attn = model.blocks[0].attn
-    used = []
-    compiled_step = llama.Llama._decode_step
-
-    def counted_step(self, caches, rows):
-        step = compiled_step(self, caches, rows)
-        used.append(step is not None)
-        return step
 
     def steps():
         caches = model.new_caches(2, 12)
@@ -426,7 +436,7 @@ def test_the_compiled_step_follows_truncated_caches_and_changed_settings(pair, m
         return out
 
     before = attn.softcap
-    monkeypatch.setattr(llama.Llama, "_decode_step", counted_step)
+    used = count_compiled_steps(monkeypatch)
     compiled = steps()
     assert used == [True] * 6
     monkeypatch.setattr(llama.Llama, "_decode_step", lambda self, caches, rows: None)
@@ -445,13 +455,6 @@ def test_a_full_cache_raises_in_the_compiled_step_as_in_the_lean_path(pair, monk
 
     family, _, _, model = pair
     ids = np.arange(5)[None] % VOCAB
-    used = []
-    compiled_step = llama.Llama._decode_step
-
-    def counted_step(self, caches, rows):
-        step = compiled_step(self, caches, rows)
-        used.append(step is not None)
-        return step
 
     def run():
         caches = model.new_caches(1, 7)
@@ -468,7 +471,7 @@ def test_a_full_cache_raises_in_the_compiled_step_as_in_the_lean_path(pair, monk
             np.testing.assert_array_equal(c.values, v)
         return z
 
-    monkeypatch.setattr(llama.Llama, "_decode_step", counted_step)
+    used = count_compiled_steps(monkeypatch)
     compiled = run()
     assert used[:2] == [True, True]
     monkeypatch.setattr(llama.Llama, "_decode_step", lambda self, caches, rows: None)
@@ -498,18 +501,9 @@ def test_the_compiled_step_on_one_thread_and_never_with_more_threads_than_cores(
     The logits are the same bits either way."""
     import manyheads as mh
     from manyheads import _config
-    from manyheads.models import llama
 
     family, _, _, model = pair
-    built = []
-    compiled_step = llama.Llama._decode_step
-
-    def counted_step(self, caches, rows):
-        step = compiled_step(self, caches, rows)
-        built.append(None if step is None else step.num_threads)
-        return step
-
-    monkeypatch.setattr(llama.Llama, "_decode_step", counted_step)
+    built = count_compiled_steps(monkeypatch, lambda step: step and step.num_threads)
     ids = np.arange(9)[None] % VOCAB
     before = mh.show_config("dicts")["num_threads_set"]  # the setting (None: OpenMP's)
     try:
