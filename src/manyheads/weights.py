@@ -148,6 +148,7 @@ class Int8Weight:
 
 _kernels.register_int8_weight(Int8Weight)  # its parts, read by linear_plain
 
+
 def _quantized(a: np.ndarray, g: int) -> tuple[np.ndarray, np.ndarray]:
     """``a`` (k, n) as int8 values (k, n) and float32 scales (ceil(k / g), n), symmetric,
     ``max|a| / 127`` per group of ``g`` rows and column."""
