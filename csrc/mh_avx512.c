@@ -353,6 +353,7 @@ static inline void mh_interleave_bf16_avx512(uint32_t *dst, const uint16_t *r0,
 #define MH_HAS_HALF_SCALAR 1
 #ifdef MH_AVX512_DPBF16
 #define MH_HAS_BF16_DOT 1
+#define MH_HAS_I4_DOTS 1 /* int4 keys by VNNI integer dot products (mh_i4_dots.h) */
 #endif
 #include "mh_instance.h"
 

@@ -70,7 +70,7 @@ static unsigned long long mh_xgetbv0(void)
 
 mh_cpu_features mh_cpu_detect(void)
 {
-    mh_cpu_features f = {0, 0, 0, 0, 0, 0, 0, 0, 0};
+    mh_cpu_features f = {0, 0, 0, 0, 0, 0, 0, 0, 0, 0};
 #ifdef MH_X86
     unsigned r[4];
     mh_cpuid(0, 0, r);
@@ -88,6 +88,7 @@ mh_cpu_features mh_cpu_detect(void)
     f.avx2 = (r[1] >> 5) & 1;
     f.avx512f = (r[1] >> 16) & 1;
     f.avx512bw = (r[1] >> 30) & 1;
+    f.avx512vnni = (r[2] >> 11) & 1;
     if (r[0] >= 1) { /* subleaf 1: EAX bit 5 is AVX512_BF16 */
         mh_cpuid(7, 1, r);
         f.avx512bf16 = (r[0] >> 5) & 1;
@@ -103,7 +104,7 @@ static unsigned mh_cpu_feature_bits(void)
     unsigned bits = 0;
     if (f.avx && f.os_ymm && f.avx2 && f.fma && f.f16c) bits |= MH_CPU_AVX2;
     if (f.os_zmm && f.avx512f) bits |= MH_CPU_AVX512;
-    if (f.avx512bw && f.avx512bf16) bits |= MH_CPU_AVX512BF16;
+    if (f.avx512bw && f.avx512bf16 && f.avx512vnni) bits |= MH_CPU_AVX512BF16;
     return bits;
 }
 

@@ -89,6 +89,18 @@ static inline void FN(prefetch_rows)(FN(kv_rows) p, int64_t j, int64_t n)
 
 static const FN(kv_rows) FN(no_rows) = {0, 0, 0, 0, 0};
 
+/* r from its row j on */
+MH_INLINE FN(kv_rows) FN(kv_skip)(FN(kv_rows) r, int64_t j)
+{
+    if (r.base) r.base += j * r.row_bytes;
+    if (r.scale) r.scale += j * r.scale_bytes;
+    return r;
+}
+
+#if MH_HAS_I4_DOTS
+#include "mh_i4_dots.h"
+#endif
+
 #define MH_I4_SPLIT MH_HAS_U4_SPLIT
 #define MH_I4_VECS (MH_I4_GROUP / VW) /* vectors a group */
 #if MH_HAS_I8_LOAD && MH_HAS_U4_LOAD
@@ -245,6 +257,32 @@ MH_INLINE void FN(few_rows_dots)(const T *qp, int64_t ep, const T *qm, int64_t n
                                  FN(kv_rows) pf)
 {
     int64_t r0 = 0;
+#if MH_HAS_I4_DOTS
+    /* whole runs of 16 int4 keys by integer dot products, a row at a time (a row
+       whose query the digits cannot hold: the float path), then the rest below */
+    if (fmt == MH_STORE_I4 && FN(i4_dots_fit)(nvk * VW) && nk >= 16) {
+        const int64_t E = nvk * VW, n16 = nk / 16 * 16;
+        for (int64_t i = 0; i < nq; ++i) {
+            const T *qmi = qm + i * MH_I4_MAX_GROUPS;
+            const T dq = qmi[MH_I4_DQ_SLOT];
+            const FN(kv_rows) pfi = i == 0 ? pf : FN(no_rows);
+            if (dq < 0) {
+                FN(few_rows_dots_r)(qp + i * ep, ep, qmi, k, n16, nvk, s + i * BK, 1, fmt, pfi);
+                continue;
+            }
+            T qs[8];
+            for (int64_t g = 0; g < E / MH_I4_GROUP; ++g) qs[g] = qmi[g] * VW; /* (sums / VW) */
+            const int8_t *dig = MH_I4_DIGITS(qm, i, E);
+            for (int64_t j = 0; j < n16; j += 16)
+                FN(i4_dots16)(dig, qs, dq, FN(kv_skip)(k, j), E, s + i * BK + j,
+                              FN(kv_skip)(pfi, j));
+        }
+        k = FN(kv_skip)(k, n16);
+        pf = FN(kv_skip)(pf, n16);
+        s += n16;
+        nk -= n16;
+    }
+#endif
 #define MH_DOTS_R1(RR, PF, NVK)                                                            \
     FN(few_rows_dots_r)(qp + r0 * ep, ep, qm + r0 * MH_I4_MAX_GROUPS, k, nk, NVK,          \
                         s + r0 * BK, RR, fmt, PF)
@@ -542,6 +580,10 @@ static void FN(attend_few_rows)(const mh_attn_args *a, int64_t pair, int64_t q0,
                 for (int c = 0; c < MH_I4_VECS; ++c) V_STORE(qg + c * VW, u[c]);
 #endif
             }
+#if MH_HAS_I4_DOTS
+    if (w->k_in_place && a->kv_format == MH_STORE_I4 && FN(i4_dots_fit)(E))
+        for (int64_t i = 0; i < nq; ++i) FN(i4_digits)(qt + i * ep, E, w->kpack, i);
+#endif
     for (int64_t i = 0; i < nq * evp; i += VW) V_STORE(acc + i, V_ZERO());
     /* copied key / value rows: load_rows writes columns [0, E) and [0, Ev) of
        the rows it copies and the dots and the mix read only those rows, so

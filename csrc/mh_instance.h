@@ -101,6 +101,9 @@
 #ifndef MH_HAS_BF16_DOT
 #define MH_HAS_BF16_DOT 0
 #endif
+#ifndef MH_HAS_I4_DOTS
+#define MH_HAS_I4_DOTS 0
+#endif
 
 #if MH_HAS_BF16_DOT && !MH_HAS_TRANSPOSE
 #error "the pair-product path loads its queries through V_TRANSPOSE"

@@ -431,7 +431,7 @@ typedef struct mh_cpu_features {
     unsigned avx : 1, fma : 1, f16c : 1, avx2 : 1, avx512f : 1;
     unsigned os_ymm : 1; /* the OS saves YMM state */
     unsigned os_zmm : 1; /* ... and opmask and ZMM state */
-    unsigned avx512bw : 1, avx512bf16 : 1;
+    unsigned avx512bw : 1, avx512bf16 : 1, avx512vnni : 1;
 } mh_cpu_features;
 
 mh_cpu_features mh_cpu_detect(void);

@@ -275,10 +275,11 @@ def test_grouped_decode_reads_each_kv_head_once_and_equals_repeated_heads(rng, f
 
 
 @pytest.mark.parametrize("fmt", ["int8", "int4"])
-@pytest.mark.parametrize("E", [32, 96, 128])
+@pytest.mark.parametrize("E", [32, 96, 128, 256])
 def test_quantised_decode_head_sizes(rng, fmt, E):
     """int8 / int4 decode at head sizes that are not 64 (one group, an odd number of
-    groups, a row the int4 path unrolls): the attention over the dequantised keys and
+    groups, a row the int4 path unrolls, the most groups its integer keys take): the
+    attention over the dequantised keys and
     values, and grouped heads give the bits of repeated heads, with a padding mask
     that hides keys in the middle of a block."""
     S, G, L = 700, 3, 2
@@ -299,6 +300,37 @@ def test_quantised_decode_head_sizes(rng, fmt, E):
     ref = oracle.scaled_dot_product_attention(q.astype(np.float64), rep(kd), rep(vd),
                                               attn_mask=visible, scale=E ** -0.5)
     np.testing.assert_allclose(grouped, ref, rtol=0, atol=2e-6)
+
+
+@pytest.mark.parametrize("E", [64, 128])
+def test_int4_decode_of_queries_far_from_unit_size(rng, E):
+    """int4 keys are read by integer dot products where the CPU has them, each query row
+    written as integers on its own scale (its largest channel): a row spanning six
+    decades, a row of 1e-32 values, rows holding inf or NaN, and scales whose rows are
+    not adjacent all give the attention over the dequantised keys and values (a row
+    holding inf or NaN: NaN, in that row only), grouped heads the bits of repeated ones."""
+    S, G = 300, 3
+    q = normal(rng, (1, 2 * G, 1, E), np.float32)
+    q[0, 1, 0, ::7] *= 1e6
+    q[0, 2] *= np.float32(1e-32)
+    q[0, 4, 0, 5] = np.inf
+    q[0, 5, 0, 9] = np.nan
+    k, v = (normal(rng, (1, 2, S, E), np.float32) for _ in range(2))
+    (kq, ks), (vq, vs) = quantize(k, "int4"), quantize(v, "int4")
+    spread = np.zeros(ks.shape[:-1] + (2 * ks.shape[-1],), ks.dtype)
+    spread[..., :ks.shape[-1]] = ks
+    ks_apart = spread[..., :ks.shape[-1]]  # the same values, rows twice as far apart
+    kw = dict(scale=E ** -0.5, num_threads=2, causal_offset=S - 1)
+    grouped = _core.attention(q, kq, vq, k_scale=ks_apart, v_scale=vs, enable_gqa=True, **kw)
+    rep = (lambda a: np.repeat(a, G, axis=1))
+    repeated = _core.attention(q, rep(kq), rep(vq), k_scale=rep(ks), v_scale=rep(vs), **kw)
+    np.testing.assert_array_equal(grouped, repeated)
+    kd = dequantize(kq, ks, "int4").astype(np.float64)
+    vd = dequantize(vq, vs, "int4").astype(np.float64)
+    ref = oracle.scaled_dot_product_attention(q[:, :4].astype(np.float64), rep(kd)[:, :4],
+                                              rep(vd)[:, :4], scale=E ** -0.5)
+    assert np.isnan(grouped[0, 4:]).all() and np.isfinite(grouped[0, :4]).all()
+    np.testing.assert_allclose(grouped[0, :4], ref[0, :4], rtol=0, atol=2e-6)
 
 
 @pytest.mark.parametrize("fmt", ["float32"] + FORMATS)

@@ -63,7 +63,8 @@ def _init() -> None:
 
 def kernel_isa() -> str:
     """Name of the kernel path in use, one of ``isa_names()`` (``"avx512bf16"`` is
-    AVX-512 plus AVX512-BF16's pair products for bfloat16 inputs)."""
+    AVX-512 plus AVX512-BF16's pair products for bfloat16 inputs and AVX512-VNNI's
+    integer dot products for int4 keys)."""
     return str(_state["isa"])
 
 

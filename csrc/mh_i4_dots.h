@@ -1,0 +1,163 @@
+/*
+ * int4 keys by integer dot products (MH_HAS_I4_DOTS: the avx512bf16 path, whose
+ * CPUs all have AVX512-VNNI).  Included by mh_few_rows.h in the float32
+ * instantiation only.
+ *
+ * Widening 4-bit keys to float and multiplying them costs about as many
+ * instructions a key as int8's (FN(i4_key_lanes)), so int4 keys were read no
+ * faster than int8 ones although they take half the bytes.  Here a
+ * query row is written once per call as a 24-bit integer per channel,
+ * Q = round(q / dq) with dq = max|q| / MH_I4_QMAX, in three signed bytes
+ * (balanced digits, Q = d0 2^16 + d1 2^8 + d2), and a key's 64 channels
+ * are two byte shuffles away from 64 unsigned bytes: three vpdpbusd and
+ * two shifts give each group's sum of Q times the key's 4-bit values,
+ * exactly, in 32-bit lanes.  The score is then
+ *     dq (s0 I0 + s1 I1 + ...) + (m0 qs0 + m1 qs1 + ...)
+ * with (s, m) the group's scale and min and qs the group's sum of q.  The
+ * only error added to the float path's is the rounding of q to dq / 2,
+ * 2^-24 of the row's largest channel: the size of float32's own rounding.
+ * A row whose largest channel is not finite (or is so small that dq would
+ * be subnormal) keeps the float path, and so does NaN's propagation.
+ */
+
+#define MH_I4_QMAX 8323072.0f /* 2^23 - 2^16: three balanced digits hold it */
+/* where a row's digits are kept: after the query sums in kpack ([BQ][16]
+   floats), E / 64 blocks of 3 x 64 bytes a row */
+#define MH_I4_DIGITS(kpack, i, E) \
+    ((int8_t *)((kpack) + MH_BLOCK_Q * MH_I4_MAX_GROUPS) + (i) * ((E) / 64) * 192)
+/* a row's dq, beside its group sums (the rows this path takes have <= 8 groups) */
+#define MH_I4_DQ_SLOT (MH_I4_MAX_GROUPS - 1)
+
+/* Whether this path serves a call: keys of whole 64-channel blocks and at most
+   8 groups.  The digits and dq then fit in kpack (mh_scratch_plan: BK x E
+   floats; the sums take BQ x 16 floats, the digits of at most BQ rows
+   BQ x 3E / 4, and BQ = BK = 64). */
+MH_INLINE int FN(i4_dots_fit)(int64_t E) { return E % 64 == 0 && E <= 256; }
+typedef char FN(i4_dots_blocks)[MH_BLOCK_Q == 64 && MH_BLOCK_K == 64 ? 1 : -1];
+
+/* Row i's digits from its scaled query row qi (in split order, FN(u4_row)):
+   each 64-channel block as the keys' bytes come (FN(i4_dots16)), the low
+   nibbles (even channels of both groups) then the high ones.  Stores dq in
+   kpack[i][MH_I4_DQ_SLOT], or -1 when the row keeps the float path. */
+static void FN(i4_digits)(const T *qi, int64_t E, T *kpack, int64_t i)
+{
+    __m512 mx = _mm512_setzero_ps();
+    for (int64_t d = 0; d < E; d += 16)
+        mx = _mm512_max_ps(mx, _mm512_abs_ps(_mm512_loadu_ps(qi + d)));
+    const float m = _mm512_reduce_max_ps(mx); /* (max of NaN and x may be x: checked below) */
+    int ok = m == m && m < INFINITY && (m == 0.0f || m > 1e-30f);
+    for (int64_t d = 0; ok && d < E; ++d) ok = qi[d] == qi[d];
+    if (!ok) {
+        kpack[i * MH_I4_MAX_GROUPS + MH_I4_DQ_SLOT] = -1.0f;
+        return;
+    }
+    kpack[i * MH_I4_MAX_GROUPS + MH_I4_DQ_SLOT] = m / MH_I4_QMAX;
+    const __m512 inv = _mm512_set1_ps(m > 0 ? MH_I4_QMAX / m : 0.0f);
+    const __m512i h = _mm512_set1_epi32(128), lo8 = _mm512_set1_epi32(255);
+    int8_t *dig = MH_I4_DIGITS(kpack, i, E);
+    for (int64_t c = 0; c < E / 64; ++c) {
+        /* split order: group 2c's even 16, its odd 16, group 2c+1's even, odd */
+        static const int src[4] = {0, 32, 16, 48}; /* evens g0, evens g1, odds g0, odds g1 */
+        for (int part = 0; part < 4; ++part) {
+            const __m512 x = _mm512_mul_ps(_mm512_loadu_ps(qi + c * 64 + src[part]), inv);
+            __m512i q = _mm512_cvt_roundps_epi32(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+            const __m512i d2 = _mm512_sub_epi32(_mm512_and_si512(_mm512_add_epi32(q, h), lo8), h);
+            q = _mm512_srai_epi32(_mm512_sub_epi32(q, d2), 8);
+            const __m512i d1 = _mm512_sub_epi32(_mm512_and_si512(_mm512_add_epi32(q, h), lo8), h);
+            const __m512i d0 = _mm512_srai_epi32(_mm512_sub_epi32(q, d1), 8);
+            int8_t *o = dig + c * 192 + part * 16;
+            _mm_storeu_si128((__m128i *)o, _mm512_cvtepi32_epi8(d0));
+            _mm_storeu_si128((__m128i *)(o + 64), _mm512_cvtepi32_epi8(d1));
+            _mm_storeu_si128((__m128i *)(o + 128), _mm512_cvtepi32_epi8(d2));
+        }
+    }
+}
+
+/* The (scale, min) pairs of groups 2c and 2c+1 of 16 rows, 8 bytes a row at
+   sp + j * scale_bytes: S0, M0 (group 2c) and S1, M1 (2c+1), a lane a row. */
+MH_INLINE void FN(i4_pairs16)(const char *sp, int64_t scale_bytes, __m512 *S0, __m512 *M0,
+                              __m512 *S1, __m512 *M1)
+{
+    __m512i pr[2];
+    if (scale_bytes == 8) {
+        pr[0] = _mm512_loadu_si512((const void *)sp);
+        pr[1] = _mm512_loadu_si512((const void *)(sp + 64));
+    } else {
+        const int64_t b = scale_bytes;
+        const __m512i off = _mm512_setr_epi64(0, b, 2 * b, 3 * b, 4 * b, 5 * b, 6 * b, 7 * b);
+        pr[0] = _mm512_i64gather_epi64(off, (const void *)sp, 1);
+        pr[1] = _mm512_i64gather_epi64(off, (const void *)(sp + 8 * b), 1);
+    }
+    /* rows 0-3, 4-7, 8-11, 12-15 as (s0, m0, s1, m1) floats */
+    const __m512 Fa = _mm512_cvtph_ps(_mm512_castsi512_si256(pr[0]));
+    const __m512 Fb = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(pr[0], 1));
+    const __m512 Fc = _mm512_cvtph_ps(_mm512_castsi512_si256(pr[1]));
+    const __m512 Fd = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(pr[1], 1));
+    const __m512i idx0 =
+        _mm512_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28, 1, 5, 9, 13, 17, 21, 25, 29);
+    const __m512i idx1 = _mm512_add_epi32(idx0, _mm512_set1_epi32(2));
+    const __m512 X0ab = _mm512_permutex2var_ps(Fa, idx0, Fb);
+    const __m512 X0cd = _mm512_permutex2var_ps(Fc, idx0, Fd);
+    const __m512 X1ab = _mm512_permutex2var_ps(Fa, idx1, Fb);
+    const __m512 X1cd = _mm512_permutex2var_ps(Fc, idx1, Fd);
+    *S0 = _mm512_shuffle_f32x4(X0ab, X0cd, 0x44);
+    *M0 = _mm512_shuffle_f32x4(X0ab, X0cd, 0xEE);
+    *S1 = _mm512_shuffle_f32x4(X1ab, X1cd, 0x44);
+    *M1 = _mm512_shuffle_f32x4(X1ab, X1cd, 0xEE);
+}
+
+/* Row i's scores of 16 keys (row j at k.base + j * k.row_bytes) into s[0..16),
+   through the digits (FN(i4_digits)), the query's group sums qs (raw sums) and
+   dq.  `pf` rows [0, 16) are prefetched. */
+MH_INLINE void FN(i4_dots16)(const int8_t *dig, const T *qs, T dq, FN(kv_rows) k, int64_t E,
+                             T *s, FN(kv_rows) pf)
+{
+    /* 16-bit words of the upper 256 bits shifted by 4, the lower ones not */
+    const __m512i shiftv = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(4), 1);
+    const __m512i low4 = _mm512_set1_epi8(0x0f);
+    const __m512i idx_g0 =
+        _mm512_setr_epi32(0, 8, 1, 9, 2, 10, 3, 11, 16, 24, 17, 25, 18, 26, 19, 27);
+    const __m512i idx_g1 = _mm512_add_epi32(idx_g0, _mm512_set1_epi32(4));
+    FN(prefetch_rows)(pf, 0, 16);
+    __m512 score = _mm512_setzero_ps();
+    for (int64_t c = 0; c < E / 64; ++c) {
+        const __m512i D0 = _mm512_loadu_si512((const void *)(dig + c * 192));
+        const __m512i D1 = _mm512_loadu_si512((const void *)(dig + c * 192 + 64));
+        const __m512i D2 = _mm512_loadu_si512((const void *)(dig + c * 192 + 128));
+        __m512i A[16];
+        for (int t = 0; t < 16; ++t) {
+            const char *kr = k.base + t * k.row_bytes + c * 32;
+            const __m256i b = _mm256_loadu_si256((const __m256i *)kr);
+            /* low nibbles in bytes 0-31, high ones in bytes 32-63 */
+            const __m512i u = _mm512_and_si512(
+                _mm512_srlv_epi16(_mm512_broadcast_i64x4(b), shiftv), low4);
+            __m512i a = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u, D0);
+            a = _mm512_dpbusd_epi32(_mm512_slli_epi32(a, 8), u, D1);
+            A[t] = _mm512_dpbusd_epi32(_mm512_slli_epi32(a, 8), u, D2);
+        }
+        /* 128-bit blocks of a key's lanes: group 0, 1, 0, 1 (at most 8 products of a
+           24-bit Q by 15 in a lane after this step, 16 after the next: no overflow) */
+        __m512i P[8], R[4];
+        for (int t = 0; t < 8; ++t)
+            P[t] = _mm512_add_epi32(_mm512_shuffle_i32x4(A[2 * t], A[2 * t + 1], 0x44),
+                                    _mm512_shuffle_i32x4(A[2 * t], A[2 * t + 1], 0xEE));
+        for (int t = 0; t < 4; ++t)
+            R[t] = _mm512_add_epi32(_mm512_unpacklo_epi64(P[2 * t], P[2 * t + 1]),
+                                    _mm512_unpackhi_epi64(P[2 * t], P[2 * t + 1]));
+        __m512 F[4], Tt[2];
+        for (int t = 0; t < 4; ++t) F[t] = _mm512_cvtepi32_ps(R[t]);
+        for (int t = 0; t < 2; ++t)
+            Tt[t] = _mm512_add_ps(_mm512_shuffle_ps(F[2 * t], F[2 * t + 1], 0x88),
+                                  _mm512_shuffle_ps(F[2 * t], F[2 * t + 1], 0xDD));
+        const __m512 G0 = _mm512_permutex2var_ps(Tt[0], idx_g0, Tt[1]);
+        const __m512 G1 = _mm512_permutex2var_ps(Tt[0], idx_g1, Tt[1]);
+        __m512 S0, M0, S1, M1;
+        FN(i4_pairs16)(k.scale + c * 8, k.scale_bytes, &S0, &M0, &S1, &M1);
+        const __m512 dots = _mm512_fmadd_ps(S1, G1, _mm512_mul_ps(S0, G0));
+        const __m512 mins = _mm512_fmadd_ps(M1, _mm512_set1_ps(qs[2 * c + 1]),
+                                            _mm512_mul_ps(M0, _mm512_set1_ps(qs[2 * c])));
+        score = _mm512_add_ps(score, _mm512_fmadd_ps(dots, _mm512_set1_ps(dq), mins));
+    }
+    _mm512_storeu_ps(s, score);
+}
+
