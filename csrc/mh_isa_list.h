@@ -24,7 +24,8 @@
 
 #define MH_ISA_LIST(X)                                                                        \
     X(AVX512BF16, avx512bf16, MH_CPU_AVX2 | MH_CPU_AVX512 | MH_CPU_AVX512BF16,                 \
-      "mh_avx512bf16.c", "-mavx512f -mavx2 -mfma -mf16c -mavx512bw -mavx512bf16 -mavx512vnni", "/arch:AVX512") \
+      "mh_avx512bf16.c", "-mavx512f -mavx2 -mfma -mf16c -mavx512bw -mavx512bf16 -mavx512vnni", \
+      "/arch:AVX512")                                                                         \
     X(AVX512, avx512, MH_CPU_AVX2 | MH_CPU_AVX512,                                            \
       "mh_avx512.c", "-mavx512f -mavx2 -mfma -mf16c", "/arch:AVX512")                          \
     X(AVX2, avx2, MH_CPU_AVX2,                                                                \
