@@ -217,7 +217,7 @@ class Llama(DecoderModel):
 
     def __init__(self, cfg: dict[str, Any], ckpt: TensorSource) -> None:
         self._read_config(cfg)
-        d, H, Hkv, D, F = self.d_model, self.num_heads, self.num_kv_heads, self.head_dim, self.d_ff
+        d, H, Hkv, D = self.d_model, self.num_heads, self.num_kv_heads, self.head_dim
         prefix = "model." if "model.embed_tokens.weight" in ckpt else ""
         # the token embedding (vocab, d) is held as (d, vocab) columns in the weights'
         # format: with tied embeddings it is the LM head itself
