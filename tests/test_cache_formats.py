@@ -279,9 +279,8 @@ def test_grouped_decode_reads_each_kv_head_once_and_equals_repeated_heads(rng, f
 def test_quantised_decode_head_sizes(rng, fmt, E):
     """int8 / int4 decode at head sizes that are not 64 (one group, an odd number of
     groups, a row the int4 path unrolls, the most groups its integer keys take): the
-    attention over the dequantised keys and
-    values, and grouped heads give the bits of repeated heads, with a padding mask
-    that hides keys in the middle of a block."""
+    attention over the dequantised keys and values, and grouped heads give the bits of
+    repeated heads, with a padding mask that hides keys in the middle of a block."""
     S, G, L = 700, 3, 2
     q = normal(rng, (1, 2 * G, L, E), np.float32)
     k, v = (normal(rng, (1, 2, S, E), np.float32) for _ in range(2))
