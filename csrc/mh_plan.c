@@ -21,10 +21,6 @@
 #define MH_SERIAL_WORK_CONTENDED 8388608.0
 /* Bytes all threads together may keep widened in a half-precision prefill. */
 #define MH_WIDENED_BUDGET ((size_t)64 << 20)
-/* Decode asks for rows ahead only when the call's keys and values take this
-   many bytes or more: smaller ones may sit in the last-level cache, where the
-   requests cost more than they save (mh_few_rows.h, FN(prefetch_rows)). */
-#define MH_PREFETCH_MIN_BYTES (8.0 * 1024 * 1024)
 /* The tile path reads a block's rows many times: in place only when they lie
    close together (a long row stride maps them onto few cache sets). */
 #define MH_DIRECT_ROW_BYTES 1024

@@ -4,6 +4,7 @@ from libc.stdint cimport int8_t, int64_t, uint8_t, uint16_t, uint64_t
 
 
 cdef extern from "mh_kernels.h" nogil:
+    const double MH_PREFETCH_MIN_BYTES
     enum:
         MH_BLOCK_Q
         MH_BLOCK_K
