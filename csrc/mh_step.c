@@ -11,6 +11,7 @@
 #include "mh_runtime.h"
 
 #include <math.h>
+#include <string.h>
 
 #if defined(_WIN32)
 #include <windows.h>
@@ -69,22 +70,42 @@ static inline float mh_gate_arg(float g, int gelu)
     return gelu ? (g * g * 0.044715f + 1.0f) * g * 1.5957691216057308f : g;
 }
 
+/* One row of mh_gated_rows; gelu a constant where it is inlined, and no branch in
+   either loop, so that both run on whole vectors. */
+static inline void mh_gated_row(const float *g, const float *u, int64_t F, const int gelu,
+                                float *o, void (*exp_f32)(const float *x, float *y, int64_t n))
+{
+    /* exp(-a), its argument clamped where it would overflow (NaN stays NaN) */
+    for (int64_t j = 0; j < F; ++j) {
+        const float na = -mh_gate_arg(g[j], gelu);
+        o[j] = na < 88.0f ? na : 88.0f;
+    }
+    if (F) exp_f32(o, o, F);
+    /* g / (1 + exp(-a)) * u; where the argument was clamped (or is NaN) the limit
+       g * 0 * u instead (NaN for an infinite g or u): both taken, one kept by a mask */
+    for (int64_t j = 0; j < F; ++j) {
+        const float sig = g[j] / (1.0f + o[j]), lim = g[j] * 0.0f;
+        const uint32_t keep = 0u - (uint32_t)(-mh_gate_arg(g[j], gelu) < 88.0f);
+        uint32_t bs, bl;
+        float r;
+        memcpy(&bs, &sig, 4);
+        memcpy(&bl, &lim, 4);
+        bs = (bs & keep) | (bl & ~keep);
+        memcpy(&r, &bs, 4);
+        o[j] = r * u[j];
+    }
+}
+
 void mh_gated_rows(const float *gu, int64_t rows, int64_t F, int64_t gu_row, int gelu,
                    float *out, int64_t out_row,
                    void (*exp_f32)(const float *x, float *y, int64_t n))
 {
     for (int64_t i = 0; i < rows; ++i) {
-        const float *g = gu + i * gu_row, *u = g + F;
-        float *o = out + i * out_row;
-        /* exp(-a), its argument clamped where it would overflow (NaN stays NaN) */
-        for (int64_t j = 0; j < F; ++j) {
-            const float na = -mh_gate_arg(g[j], gelu);
-            o[j] = na < 88.0f ? na : 88.0f;
-        }
-        if (F) exp_f32(o, o, F);
-        for (int64_t j = 0; j < F; ++j)
-            o[j] = -mh_gate_arg(g[j], gelu) < 88.0f ? g[j] / (1.0f + o[j]) * u[j]
-                                                    : g[j] * 0.0f * u[j];
+        const float *g = gu + i * gu_row;
+        if (gelu)
+            mh_gated_row(g, g + F, F, 1, out + i * out_row, exp_f32);
+        else
+            mh_gated_row(g, g + F, F, 0, out + i * out_row, exp_f32);
     }
 }
 
