@@ -311,3 +311,62 @@ def test_loading_adds_little_beyond_the_weights_at_its_peak(tmp_path, weight_dty
                          capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr
     assert float(res.stdout) <= 1.15, res.stdout
+
+
+def _root(a):
+    while isinstance(a, np.ndarray) and a.base is not None:
+        a = a.base
+    return a
+
+
+@pytest.mark.parametrize("weight_dtype", ["float32", "bfloat16", "int8"])
+def test_projections_are_packed_side_by_side(llama_dir, weight_dtype):
+    """from_pretrained places every layer's projections in one shared block of memory
+    (WeightArena), each on a 64-byte boundary and none overlapping another, and the
+    logits are those of the same weights held as arrays of their own, bit for bit."""
+    if weight_dtype == "bfloat16":
+        pytest.importorskip("ml_dtypes")
+    from manyheads.models import ARCHITECTURES
+    from manyheads.models._checkpoint import Checkpoint, read_config
+    model = from_pretrained(llama_dir, weight_dtype=weight_dtype)
+    arrays = [getattr(w, "_blocked", w) for b in model.blocks
+              for w in (b.attn.W_qkv, b.attn.W_out, b.w_gate_up, b.w_down)]
+    assert len({id(_root(a)) for a in arrays}) == 1
+    spans = sorted((a.ctypes.data, a.ctypes.data + a.nbytes) for a in arrays)
+    assert all(s % 64 == 0 for s, _ in spans)
+    assert all(end <= nxt for (_, end), (nxt, _) in zip(spans, spans[1:]))
+    cfg = read_config(llama_dir)
+    with Checkpoint(llama_dir) as ckpt:
+        ckpt.weight_dtype = weight_dtype
+        apart = ARCHITECTURES[cfg["model_type"]](cfg, ckpt)
+    assert all(_root(getattr(w, "_blocked", w)) is not _root(arrays[0])
+               for w in (apart.blocks[0].attn.W_qkv, apart.blocks[0].w_down))
+    ids = [[3, 1, 4, 1, 5, 9, 2, 6]]
+    assert np.array_equal(model.logits(ids), apart.logits(ids))
+    caches, caches_apart = model.new_caches(1, 16), apart.new_caches(1, 16)
+    np.testing.assert_array_equal(model.generate(ids, 6, caches=caches),
+                                  apart.generate(ids, 6, caches=caches_apart))
+
+
+def test_weight_arena_places_arrays_apart_and_large_ones_alone():
+    """WeightArena.empty: arrays on 64-byte boundaries, none overlapping, the writes
+    of one never seen in another; an array over a quarter of a block is its own, and a
+    block that cannot hold the next array gives way to a new one."""
+    from manyheads.weights import WeightArena
+    arena = WeightArena()
+    shapes = [(3, 5), (7,), (1000, 33), (1, 1), (64, 64)]
+    got = [arena.empty(s, np.float32) for s in shapes]
+    for i, a in enumerate(got):
+        assert a.shape == shapes[i] and a.dtype == np.float32
+        assert a.flags.c_contiguous and a.ctypes.data % 64 == 0
+        a[...] = i
+    for i, a in enumerate(got):
+        assert (a == i).all()
+    assert len({id(_root(a)) for a in got}) == 1
+    big = arena.empty((WeightArena.BLOCK // 4 // 8 + 1,), np.float64)
+    assert _root(big) is not _root(got[0]) and big.base is None
+    first = _root(got[0])
+    filler = arena.empty((WeightArena.BLOCK // 4 - 64,), np.uint8)
+    rest = [arena.empty((WeightArena.BLOCK // 4 - 64,), np.uint8) for _ in range(3)]
+    assert _root(filler) is first and _root(rest[-1]) is not first
+    assert all(a.dtype == np.uint8 for a in rest)

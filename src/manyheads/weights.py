@@ -173,9 +173,56 @@ def _quantized(a: np.ndarray, g: int) -> tuple[np.ndarray, np.ndarray]:
 _PASS, _BLOCK = 8, 16
 
 
-def _blocked_empty(k: int, n: int) -> np.ndarray:
-    """Zeroed storage for a (k, n) int8 weight in the kernels' order: (k, n) padded."""
-    return np.zeros((-(-k // _PASS) * _PASS, -(-n // _BLOCK) * _BLOCK), np.int8)
+def _blocked_empty(k: int, n: int, arena: WeightArena | None = None) -> np.ndarray:
+    """Zeroed storage for a (k, n) int8 weight in the kernels' order: (k, n) padded
+    (in ``arena`` if one is given)."""
+    shape = (-(-k // _PASS) * _PASS, -(-n // _BLOCK) * _BLOCK)
+    if arena is None:
+        return np.zeros(shape, np.int8)
+    out = arena.empty(shape, np.int8)
+    out[...] = 0
+    return out
+
+
+class WeightArena:
+    """Storage for a model's weights, side by side in blocks of :attr:`BLOCK` bytes.
+
+    Decoding reads every weight once a token, a few MB at a time.  Weights of a few
+    MB each held apart sit on the system's small pages: each page begins with a
+    translation miss and the hardware prefetchers stop at its end.  NumPy asks the
+    system for huge pages from 4 MB, so a block of this arena gets them (where the
+    system grants them on request, as Linux does by default), and weights of a few
+    MB packed into it share them.  A block is only address space until written, so
+    its unused end costs no memory; few blocks leave few part-used huge pages (32 MB
+    blocks held 24 MiB more for a float32 SmolLM2-135M).  A weight larger than a
+    quarter of a block gets an array of its own.  Measured on a SmolLM2-shaped
+    model, 2 threads, an AMD EPYC, alternating token by token in one process against
+    the same weights held apart: 1.04-1.05x the tokens/s with int8 weights,
+    1.03-1.04x with bfloat16, 1.00-1.01x with float32 (whose gate and up
+    projections were on huge pages already); peak memory unchanged.
+    """
+
+    BLOCK = 256 << 20
+
+    def __init__(self) -> None:
+        self._block: np.ndarray | None = None
+        self._used = 0
+
+    def empty(self, shape: tuple[int, ...], dtype: Any) -> np.ndarray:
+        """An uninitialised C-contiguous array on a 64-byte boundary (a cache line)."""
+        dt = np.dtype(dtype)
+        n = int(np.prod(shape, dtype=np.int64)) * dt.itemsize
+        if n > self.BLOCK // 4:
+            return np.empty(shape, dt)
+        block = self._block
+        # the first free byte at a 64-byte address (the block's address + _used, rounded)
+        start = 0 if block is None else self._used + (-(block.ctypes.data + self._used) % 64)
+        if block is None or start + n > block.nbytes:
+            block = self._block = np.empty(self.BLOCK + 64, np.uint8)
+            start = -block.ctypes.data % 64
+        self._used = start + n
+        out: np.ndarray = block[start:start + n].view(dt).reshape(shape)
+        return out
 
 
 def _blocked_view(blocked: np.ndarray) -> np.ndarray:
@@ -241,11 +288,11 @@ def convert_weight(w: Any, dtype: str, group_size: int | None = None) -> Any:
     return np.ascontiguousarray(a if a.dtype == target else a.astype(target))
 
 
-def join_columns(parts: list[Any]) -> Any:
-    """Weights (k, n_i) side by side: (k, sum n_i), as stored.  Float weights of
-    different formats (a checkpoint whose q, k and v were saved in different
-    precisions, read in their own) are joined as float32 (float64 if one is), which
-    holds each exactly."""
+def join_columns(parts: list[Any], arena: WeightArena | None = None) -> Any:
+    """Weights (k, n_i) side by side: (k, sum n_i), as stored (in ``arena`` if one is
+    given).  Float weights of different formats (a checkpoint whose q, k and v were
+    saved in different precisions, read in their own) are joined as float32 (float64
+    if one is), which holds each exactly."""
     if all(isinstance(p, Int8Weight) for p in parts):
         groups = {p.group_size for p in parts}
         ks = {p.shape[0] for p in parts}
@@ -258,7 +305,10 @@ def join_columns(parts: list[Any]) -> Any:
         if k and all(p.shape[1] % _BLOCK == 0 for p in parts[:-1]):
             # a pass of the join is the parts' passes side by side: no unblocking
             passes = -(-k // _PASS)
-            blocked = np.concatenate([p._blocked.reshape(passes, -1) for p in parts], axis=1)
+            runs = [p._blocked.reshape(passes, -1) for p in parts]
+            width = sum(r.shape[1] for r in runs)
+            blocked = np.concatenate(runs, axis=1, out=None if arena is None else
+                                     arena.empty((passes, width), np.int8))
             return Int8Weight._from_blocked(blocked.reshape(passes * _PASS, -1), (k, n),
                                             scales, group)
         return Int8Weight(np.concatenate([p.data for p in parts], axis=1), scales, group)
@@ -268,7 +318,10 @@ def join_columns(parts: list[Any]) -> Any:
     if len(formats) > 1:
         wide = np.float64 if "float64" in formats else np.float32
         parts = [np.asarray(p, dtype=wide) for p in parts]
-    return np.concatenate(parts, axis=1)
+    if arena is None or not parts:
+        return np.concatenate(parts, axis=1)
+    shape = (parts[0].shape[0], sum(p.shape[1] for p in parts))
+    return np.concatenate(parts, axis=1, out=arena.empty(shape, parts[0].dtype))
 
 
 def gather_columns(w: Any, ids: np.ndarray) -> np.ndarray:

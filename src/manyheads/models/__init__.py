@@ -25,6 +25,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from ..weights import WeightArena
 from ._checkpoint import WEIGHT_DTYPES, Checkpoint, read_config
 from ._decoder import DecoderModel
 from ._hub import resolve_checkpoint
@@ -109,5 +110,6 @@ def from_pretrained(path: str | os.PathLike[str], *, revision: str | None = None
                          f"{', '.join(sorted(ARCHITECTURES))}")
     with Checkpoint(path) as ckpt:
         ckpt.weight_dtype = weight_dtype
+        ckpt.arena = WeightArena()  # the projections side by side, on huge pages
         model: DecoderModel = ARCHITECTURES[kind](cfg, ckpt)
     return model

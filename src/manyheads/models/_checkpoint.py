@@ -19,7 +19,7 @@ from typing import Any, Callable
 import numpy as np
 
 from .. import _formats, weights
-from ..weights import Int8Weight, convert_weight
+from ..weights import Int8Weight, WeightArena, convert_weight
 
 __all__ = ["TensorSource", "Checkpoint", "ArrayTensors", "read_config", "config_int", "config_float",
            "require_package", "WEIGHT_DTYPES"]
@@ -128,6 +128,8 @@ class TensorSource:
     # storage of projections: float32, bfloat16, float16, int8 (per output column
     # scales), or auto (the tensor's own float precision)
     weight_dtype = "float32"
+    # where projections are placed (see WeightArena); None: arrays of their own
+    arena: WeightArena | None = None
 
     def __contains__(self, name: object) -> bool:
         raise NotImplementedError
@@ -151,12 +153,14 @@ class TensorSource:
             raise ValueError(f"tensor {name!r} has shape {out.shape}, the config implies {shape}")
         return np.asarray(out, dtype=np.float32)
 
-    def linear(self, name: str, d_in: int, d_out: int, transposed: bool = True) -> Any:
+    def linear(self, name: str, d_in: int, d_out: int, transposed: bool = True,
+               part: bool = False) -> Any:
         """A weight for ``x @ W``, (d_in, d_out), stored as :attr:`weight_dtype`: a
         contiguous ndarray or an :class:`~manyheads.weights.Int8Weight`.  The tensor is
         a PyTorch ``nn.Linear`` weight (d_out, d_in), or with ``transposed`` False
         already (d_in, d_out) (GPT-2's Conv1D).  It is read a few thousand rows at a
-        time, converted and placed, so loading holds little beyond the result."""
+        time, converted and placed (in :attr:`arena` unless it is a ``part`` of a
+        weight joined later), so loading holds little beyond the result."""
         if name not in self:
             raise ValueError(f"{self.origin} has no tensor {name!r}")
         stored = self._shape(name)
@@ -169,11 +173,14 @@ class TensorSource:
             target = first.dtype.name if first.dtype.name in WEIGHT_DTYPES else "float32"
         if not transposed:  # rows are input features: whole columns need the whole tensor
             return convert_weight(self._rows(name, 0, d_in), target)
+        arena = None if part else self.arena
         if target == "int8":  # per output column scales: a column is a row of the tensor
-            blocked = weights._blocked_empty(d_in, d_out)  # placed in the kernels' order
+            blocked = weights._blocked_empty(d_in, d_out, arena)  # in the kernels' order
             scales = np.empty((1, d_out), np.float32)
         else:
-            out = np.empty((d_in, d_out), _formats.FORMATS[target].dtype)
+            dtype = _formats.FORMATS[target].dtype
+            out = np.empty((d_in, d_out), dtype) if arena is None else \
+                arena.empty((d_in, d_out), dtype)
         # whole blocks of the int8 order's columns at a time
         rows = max(16, _READ_BYTES // max(1, d_in * first.dtype.itemsize)) // 16 * 16
         for start in range(0, d_out, rows):

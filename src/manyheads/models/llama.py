@@ -264,7 +264,8 @@ class Llama(DecoderModel):
             attn.W_qkv = ckpt.linear(p + "qkv_proj.weight", d, sum(widths))
         else:
             attn.W_qkv = join_columns(
-                [ckpt.linear(p + f"{n}_proj.weight", d, w) for n, w in zip("qkv", widths)])
+                [ckpt.linear(p + f"{n}_proj.weight", d, w, part=True)
+                 for n, w in zip("qkv", widths)], ckpt.arena)
             if attn.b_qkv is not None:
                 attn.b_qkv[...] = np.concatenate(
                     [ckpt.get(p + f"{n}_proj.bias", (w,)) for n, w in zip("qkv", widths)])
@@ -278,8 +279,8 @@ class Llama(DecoderModel):
         if p + "gate_up_proj.weight" in ckpt:  # fused (Phi-3): gate rows, then up rows
             w_gu = ckpt.linear(p + "gate_up_proj.weight", d, 2 * F)
         else:
-            w_gu = join_columns([ckpt.linear(p + f"{n}_proj.weight", d, F)
-                                 for n in ("gate", "up")])
+            w_gu = join_columns([ckpt.linear(p + f"{n}_proj.weight", d, F, part=True)
+                                 for n in ("gate", "up")], ckpt.arena)
         b_gu = b_down = None
         if self.mlp_bias:
             b_gu = np.concatenate([ckpt.get(p + "gate_proj.bias", (F,)),
