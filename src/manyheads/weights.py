@@ -218,7 +218,10 @@ class WeightArena:
         # the first free byte at a 64-byte address (the block's address + _used, rounded)
         start = 0 if block is None else self._used + (-(block.ctypes.data + self._used) % 64)
         if block is None or start + n > block.nbytes:
-            block = self._block = np.empty(self.BLOCK + 64, np.uint8)
+            try:
+                block = self._block = np.empty(self.BLOCK + 64, np.uint8)
+            except MemoryError:  # (address space refused, as under strict overcommit)
+                return np.empty(shape, dt)
             start = -block.ctypes.data % 64
         self._used = start + n
         out: np.ndarray = block[start:start + n].view(dt).reshape(shape)
