@@ -518,6 +518,33 @@ def test_the_compiled_step_on_one_thread_and_never_with_more_threads_than_cores(
     np.testing.assert_array_equal(results[1], results[_config.cores() + 1])
 
 
+def test_the_compiled_step_runs_on_one_thread_while_threads_lack_a_core(pair, monkeypatch):
+    """While threads were lately found without a core (other processes on the cores,
+    ``_kernels.contended()``), the compiled step runs on one thread, which has no barrier
+    at which to wait for a descheduled thread, and on the threads set again once that
+    has passed; the tokens are the same either way."""
+    import manyheads as mh
+    from manyheads import _config, _kernels
+
+    family, _, _, model = pair
+    built = count_compiled_steps(monkeypatch, lambda step: step and step.num_threads)
+    ids = np.arange(9)[None] % VOCAB
+    two = 2 if _config.cores() >= 2 else None  # (more threads than cores: the lean path)
+    before = mh.show_config("dicts")["num_threads_set"]
+    try:
+        mh.set_num_threads(2)
+        results = []
+        for contended, expected in ((False, two), (True, 1), (False, two)):
+            monkeypatch.setattr(_kernels, "contended", lambda c=contended: c)
+            built.clear()
+            results.append(model.generate(ids, 6))
+            assert built == [expected] * 5
+    finally:
+        mh.set_num_threads(before)
+    for other in results[1:]:
+        np.testing.assert_array_equal(other, results[0])
+
+
 @pytest.mark.parametrize("owner, name", [("block", "norm_mlp"), ("attn", "W_out")])
 def test_a_replaced_weight_is_read_by_the_next_compiled_step(pair, monkeypatch, owner, name):
     """The compiled step keeps pointers to the blocks' arrays; assigning a new array (a

@@ -353,7 +353,7 @@ cdef inline int _share(int requested):
 
 def contended():
     """Whether threads were found without a core less than CONTENDED_SECONDS ago (a
-    compiled decoding step then gives way to the calls that plan for it)."""
+    model's compiled decoding step then runs on one thread)."""
     return _contended()
 
 

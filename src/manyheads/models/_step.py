@@ -134,14 +134,15 @@ class CompiledStep:
                 and all(c.format in COMPILED_CACHE_FORMATS and not c._any_padding
                         for c in caches))
 
-    def matches(self, blocks: Sequence[Any], caches: Sequence[KVCache], rows: int) -> bool:
+    def matches(self, blocks: Sequence[Any], caches: Sequence[KVCache], rows: int,
+                num_threads: int) -> bool:
         """Whether this step was built for these blocks (weights unchanged), caches,
-        rows and the current thread setting."""
-        return (rows == self.rows and len(caches) == len(self.cache_refs)
+        rows and number of threads."""
+        return (rows == self.rows and num_threads == self.num_threads
+                and len(caches) == len(self.cache_refs)
                 and len(blocks) == len(self.blocks)
                 and all(r() is c for r, c in zip(self.cache_refs, caches))
                 and all(map(operator.is_, blocks, self.blocks))
-                and _config.resolve_num_threads(None) == self.num_threads
                 and _assigned[0] == self.assigned)
 
     def __call__(self, x: np.ndarray, caches: Sequence[KVCache]) -> np.ndarray | None:

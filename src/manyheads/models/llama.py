@@ -415,16 +415,23 @@ class Llama(DecoderModel):
         return ", ".join(parts)
 
     def _decode_step(self, caches: list[KVCache], rows: int) -> CompiledStep | None:
-        # (also when threads were lately found without a core: the lean path measured no
-        # faster then, with other processes on the cores, and 1.2-1.6x slower when a
-        # virtual machine's cores are taken away for milliseconds at a time)
-        step: CompiledStep | None = self.__dict__.get("_step")
-        if step is not None and step.matches(self.blocks, caches, rows):
-            return step
+        # Compiled also when threads were lately found without a core (the lean path
+        # measured no faster then, and 1.2-1.6x slower when a virtual machine's cores
+        # are taken away for milliseconds at a time), but on one thread until
+        # CONTENDED_SECONDS pass: a team waits for a descheduled thread at each of
+        # some 300 barriers a token.  int8 SmolLM2-shaped decoding beside two
+        # processes that kept both cores busy: 12.9 ms a token on one thread against
+        # 52.5 on two (5.4 on two when the cores were free).  The same bits either way.
         nt = resolve_num_threads(None)
+        if nt > 1 and _kernels.contended():
+            nt = 1
+        steps: dict[int, CompiledStep] = self.__dict__.setdefault("_steps", {})
+        step = steps.get(nt)
+        if step is not None and step.matches(self.blocks, caches, rows, nt):
+            return step
         if not CompiledStep.serves(self.blocks, caches, rows, silu, nt):
             return None
-        step = self._step = CompiledStep(self.blocks, caches, rows, nt)
+        step = steps[nt] = CompiledStep(self.blocks, caches, rows, nt)
         return step
 
     def parameters(self) -> list[np.ndarray]:
