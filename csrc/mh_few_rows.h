@@ -434,13 +434,39 @@ MH_INLINE void FN(few_rows_output_cols)(T *acc, int64_t evp, const T *alpha, con
             for (int uu = 0; uu < NC; uu += per) V_SPLIT_GROUP(o[r] + uu);
         for (int r = 0; r < R; ++r)
             for (int g = 0; g < NG; ++g) pm[r][g] = 0;
-        for (int64_t j = 0; j < nk; ++j) {
+        /* rows [0, from[r]) of query row r taken by integer dot products */
+        int64_t from[MH_FEW_ROWS] = {0}, j = 0;
+#if MH_HAS_I4_DOTS
+        /* whole runs of 16 rows by integer dot products (mh_i4_dots.h), two groups at a
+           time, for each query row whose weights can be written as digits (a row's
+           result does not depend on the others) */
+        if (NC % 4 == 0 && nk >= 16) {
+            const int64_t n16 = nk / 16 * 16;
+            j = n16;
+            for (int r = 0; r < R; ++r) {
+                FN(i4_mix_w) mw[4 * NVO / 4];
+                int ok = 1;
+                for (int gp = 0; gp < NC / 4 && ok; ++gp)
+                    ok = FN(i4_mix_weights)(p + r * BK, v, g0 + 2 * gp, n16, &mw[gp]);
+                if (!ok) {
+                    j = 0;
+                    continue;
+                }
+                for (int gp = 0; gp < NC / 4; ++gp)
+                    FN(i4_mix_rows)(&mw[gp], v, g0 + 2 * gp, n16, o[r] + 4 * gp,
+                                    r == 0 && gp == 0 ? pf : FN(no_rows));
+                from[r] = n16;
+            }
+        }
+#endif
+        for (; j < nk; ++j) {
             const char *vr = v.base + j * v.row_bytes;
             FN(prefetch_rows)(pf, j, 1);
             FN(i4_pairs)((const uint16_t *)(v.scale + j * v.scale_bytes) + 2 * g0, NG, pairs);
             V u[4 * NVO];
             FN(u4_row)(vr + c * (VW / 2), NC, u);
             for (int r = 0; r < R; ++r) {
+                if (j < from[r]) continue;
                 const T ps = p[r * BK + j];
                 for (int g = 0; g < NG; ++g) {
                     const V psg = V_SET1(ps * (T)pairs[2 * g]);

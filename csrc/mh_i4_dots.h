@@ -161,3 +161,162 @@ MH_INLINE void FN(i4_dots16)(const int8_t *dig, const T *qs, T dq, FN(kv_rows) k
     _mm512_storeu_ps(s, score);
 }
 
+
+/*
+ * int4 values by integer dot products.  The mix adds p_j (s_j u_j + m_j) over
+ * a block's value rows j for each channel, and widening every 4-bit value to
+ * float for its multiply-add took most of an int4 decode step's time.  Here a
+ * query row's weights W_j = p_j s_j of one group are written as 24-bit
+ * integers on one scale for the block's rows, Q_j = round(W_j / dq) with
+ * dq = max W / MH_I4_QMAX (each group its own: its channels are outputs of
+ * their own, whose scales may differ by decades), in three balanced signed
+ * bytes (as the keys' query digits above).  Four value rows' bytes are
+ * interleaved so that each 32-bit lane holds one channel of the four rows,
+ * and vpdpbusd multiplies the four 4-bit values by the four rows' digits and
+ * adds them: three 32-bit accumulators a lane (one per digit) hold
+ * 16 x 4 x 15 x 128 at most over a block of 64 rows, exactly, and their
+ * weighted sum, times dq, is the group's part of the mix.  The sums of
+ * p_j m_j come along in float.  The error added to the float path's is the
+ * rounding of each W_j to dq / 2, 2^-24 of the group's largest weight in the
+ * block, the size of float32's rounding of the sum it goes in.
+ */
+
+/* acc += the dot products of U's unsigned and D's signed bytes, four a lane, in
+   acc's own register (gcc 12 otherwise copies each of the mix's twelve
+   accumulators to a new register at every step) */
+#if defined(__GNUC__) && !defined(__clang__)
+#define MH_DPBUSD_TO(acc, U, D) __asm__("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(U), "v"(D))
+#else
+#define MH_DPBUSD_TO(acc, U, D) ((acc) = _mm512_dpbusd_epi32((acc), (U), (D)))
+#endif
+
+/* One query row's weights of a block's value rows for two groups, as digits:
+   dig[d][g][j] is digit d (most significant first) of row j's weight of group
+   g; pm[g] the sum of p_j m_jg. */
+typedef struct {
+    int8_t dig[3][2][MH_BLOCK_K];
+    T dq[2], pm[2];
+} FN(i4_mix_w);
+
+/* The digits of row weights p[0..n16) (n16 a multiple of 16, at most BK) for
+   groups g0 and g0 + 1 of value rows v, into *w.  Returns 0 when a weight is not
+   finite or the largest is so small that dq would be subnormal: the float path
+   then takes the block. */
+static int FN(i4_mix_weights)(const T *p, FN(kv_rows) v, int64_t g0, int64_t n16,
+                              FN(i4_mix_w) *w)
+{
+    __m512 W[2][MH_BLOCK_K / 16], mx0 = _mm512_setzero_ps(), mx1 = mx0, pm0 = mx0, pm1 = mx0;
+    __mmask16 bad = 0;
+    for (int64_t b = 0; b < n16 / 16; ++b) {
+        __m512 S0, M0, S1, M1;
+        FN(i4_pairs16)(v.scale + 16 * b * v.scale_bytes + g0 * 4, v.scale_bytes, &S0, &M0,
+                       &S1, &M1);
+        const __m512 P = _mm512_loadu_ps(p + 16 * b);
+        W[0][b] = _mm512_mul_ps(P, S0);
+        W[1][b] = _mm512_mul_ps(P, S1);
+        pm0 = _mm512_fmadd_ps(P, M0, pm0);
+        pm1 = _mm512_fmadd_ps(P, M1, pm1);
+        /* (W >= 0: p >= 0 and the scales are not negative; NaN is unordered) */
+        bad |= _mm512_cmp_ps_mask(W[0][b], W[0][b], _CMP_UNORD_Q) |
+               _mm512_cmp_ps_mask(W[1][b], W[1][b], _CMP_UNORD_Q);
+        mx0 = _mm512_max_ps(mx0, W[0][b]);
+        mx1 = _mm512_max_ps(mx1, W[1][b]);
+    }
+    const float m[2] = {_mm512_reduce_max_ps(mx0), _mm512_reduce_max_ps(mx1)};
+    w->pm[0] = _mm512_reduce_add_ps(pm0);
+    w->pm[1] = _mm512_reduce_add_ps(pm1);
+    if (bad) return 0;
+    for (int g = 0; g < 2; ++g)
+        if (!(m[g] < INFINITY) || (m[g] != 0.0f && m[g] <= 1e-30f) || !(w->pm[g] - w->pm[g] == 0.0f))
+            return 0;
+    const __m512i h = _mm512_set1_epi32(128), lo8 = _mm512_set1_epi32(255);
+    for (int g = 0; g < 2; ++g) {
+        /* (each group on its own scale: its channels are outputs of their own) */
+        w->dq[g] = m[g] / MH_I4_QMAX;
+        const __m512 inv = _mm512_set1_ps(m[g] > 0 ? MH_I4_QMAX / m[g] : 0.0f);
+        for (int64_t b = 0; b < n16 / 16; ++b) {
+            __m512i q = _mm512_cvt_roundps_epi32(_mm512_mul_ps(W[g][b], inv),
+                                                 _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+            const __m512i d2 = _mm512_sub_epi32(_mm512_and_si512(_mm512_add_epi32(q, h), lo8), h);
+            q = _mm512_srai_epi32(_mm512_sub_epi32(q, d2), 8);
+            const __m512i d1 = _mm512_sub_epi32(_mm512_and_si512(_mm512_add_epi32(q, h), lo8), h);
+            const __m512i d0 = _mm512_srai_epi32(_mm512_sub_epi32(q, d1), 8);
+            _mm_storeu_si128((__m128i *)(w->dig[0][g] + 16 * b), _mm512_cvtepi32_epi8(d0));
+            _mm_storeu_si128((__m128i *)(w->dig[1][g] + 16 * b), _mm512_cvtepi32_epi8(d1));
+            _mm_storeu_si128((__m128i *)(w->dig[2][g] + 16 * b), _mm512_cvtepi32_epi8(d2));
+        }
+    }
+    return 1;
+}
+
+/* o[0..4) (groups g0 and g0 + 1 in split order: g0's even channels, its odd
+   ones, then g0 + 1's) += the mix of value rows [0, n16) with the weights *w;
+   rows of `pf` are prefetched along. */
+static void FN(i4_mix_rows)(const FN(i4_mix_w) *w, FN(kv_rows) v, int64_t g0, int64_t n16,
+                            __m512 *o, FN(kv_rows) pf)
+{
+    const __m512i low4 = _mm512_set1_epi8(0x0f);
+    /* accumulator a<d><u>: digit d of the weights times U[u] (variables, not an
+       array, so that they stay in registers) */
+    __m512i a00 = _mm512_setzero_si512(), a01 = a00, a02 = a00, a03 = a00, a10 = a00,
+            a11 = a00, a12 = a00, a13 = a00, a20 = a00, a21 = a00, a22 = a00, a23 = a00;
+    const char *base = v.base + g0 * (MH_I4_GROUP / 2);
+    for (int64_t j = 0; j < n16; j += 4) {
+        FN(prefetch_rows)(pf, j, 4);
+        const char *r0 = base + j * v.row_bytes;
+        /* rows 0 and 2 in A, 1 and 3 in B (each 16 bytes a group) */
+        const __m512i A = _mm512_inserti64x4(
+            _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)r0)),
+            _mm256_loadu_si256((const __m256i *)(r0 + 2 * v.row_bytes)), 1);
+        const __m512i B = _mm512_inserti64x4(
+            _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(r0 + v.row_bytes))),
+            _mm256_loadu_si256((const __m256i *)(r0 + 3 * v.row_bytes)), 1);
+        /* byte pairs of rows 0-1 (C) and 2-3 (E), 128-bit blocks: bytes 0-7, 16-23,
+           8-15, 24-31 */
+        const __m512i T1 = _mm512_unpacklo_epi8(A, B), T2 = _mm512_unpackhi_epi8(A, B);
+        const __m512i C = _mm512_shuffle_i32x4(T1, T2, 0x44), E = _mm512_shuffle_i32x4(T1, T2, 0xEE);
+        /* a lane a byte of the four rows: W1's blocks bytes 0-3, 16-19, 8-11, 24-27,
+           W2's 4-7, 20-23, 12-15, 28-31 (group 0, 1, 0, 1) */
+        const __m512i W1 = _mm512_unpacklo_epi16(C, E), W2 = _mm512_unpackhi_epi16(C, E);
+        const __m512i U0 = _mm512_and_si512(W1, low4),
+                      U1 = _mm512_and_si512(_mm512_srli_epi16(W1, 4), low4),
+                      U2 = _mm512_and_si512(W2, low4),
+                      U3 = _mm512_and_si512(_mm512_srli_epi16(W2, 4), low4);
+        __m512i D[3];
+        for (int d = 0; d < 3; ++d) {
+            int32_t x0, x1;
+            memcpy(&x0, w->dig[d][0] + j, 4);
+            memcpy(&x1, w->dig[d][1] + j, 4);
+            D[d] = _mm512_mask_set1_epi32(_mm512_set1_epi32(x0), 0xF0F0, x1);
+        }
+        MH_DPBUSD_TO(a00, U0, D[0]);
+        MH_DPBUSD_TO(a01, U1, D[0]);
+        MH_DPBUSD_TO(a02, U2, D[0]);
+        MH_DPBUSD_TO(a03, U3, D[0]);
+        MH_DPBUSD_TO(a10, U0, D[1]);
+        MH_DPBUSD_TO(a11, U1, D[1]);
+        MH_DPBUSD_TO(a12, U2, D[1]);
+        MH_DPBUSD_TO(a13, U3, D[1]);
+        MH_DPBUSD_TO(a20, U0, D[2]);
+        MH_DPBUSD_TO(a21, U1, D[2]);
+        MH_DPBUSD_TO(a22, U2, D[2]);
+        MH_DPBUSD_TO(a23, U3, D[2]);
+    }
+    const __m512 s16 = _mm512_set1_ps(65536.0f), s8 = _mm512_set1_ps(256.0f);
+#define MH_DIGITS_SUM(x0, x1, x2)                                                         \
+    _mm512_fmadd_ps(_mm512_cvtepi32_ps(x0), s16,                                           \
+                    _mm512_fmadd_ps(_mm512_cvtepi32_ps(x1), s8, _mm512_cvtepi32_ps(x2)))
+    const __m512 F[4] = {MH_DIGITS_SUM(a00, a10, a20), MH_DIGITS_SUM(a01, a11, a21),
+                         MH_DIGITS_SUM(a02, a12, a22), MH_DIGITS_SUM(a03, a13, a23)};
+#undef MH_DIGITS_SUM
+    /* to split order: even channels (bytes' low nibbles) of group 0 from F[0]'s
+       and F[2]'s blocks 0 and 2, of group 1 from blocks 1 and 3; odd from F[1], F[3] */
+    const __m512i idx = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27);
+    const __m512i idx1 = _mm512_add_epi32(idx, _mm512_set1_epi32(4));
+    const __m512 dq0 = _mm512_set1_ps(w->dq[0]), dq1 = _mm512_set1_ps(w->dq[1]),
+                 m0 = _mm512_set1_ps(w->pm[0]), m1 = _mm512_set1_ps(w->pm[1]);
+    o[0] = _mm512_add_ps(o[0], _mm512_fmadd_ps(_mm512_permutex2var_ps(F[0], idx, F[2]), dq0, m0));
+    o[1] = _mm512_add_ps(o[1], _mm512_fmadd_ps(_mm512_permutex2var_ps(F[1], idx, F[3]), dq0, m0));
+    o[2] = _mm512_add_ps(o[2], _mm512_fmadd_ps(_mm512_permutex2var_ps(F[0], idx1, F[2]), dq1, m1));
+    o[3] = _mm512_add_ps(o[3], _mm512_fmadd_ps(_mm512_permutex2var_ps(F[1], idx1, F[3]), dq1, m1));
+}

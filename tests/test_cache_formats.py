@@ -332,6 +332,39 @@ def test_int4_decode_of_queries_far_from_unit_size(rng, E):
     np.testing.assert_allclose(grouped[0, :4], ref[0, :4], rtol=0, atol=2e-6)
 
 
+@pytest.mark.parametrize("E", [64, 128])
+def test_int4_decode_of_values_whose_groups_differ_by_decades(rng, E):
+    """int4 values are mixed by integer dot products where the CPU has them, each group's
+    weights written as integers on that group's own scale: channel groups whose values
+    are 1e-6 and 1e3 in size each keep their own precision; a value group holding NaN
+    gives NaN in its own channels only, in the rows whose weights reach it; and
+    grouped heads give the bits of repeated ones, whatever the number of rows."""
+    S, G, L = 1000, 3, 1
+    q = normal(rng, (1, 2 * G, L, E), np.float32)
+    k, v = (normal(rng, (1, 2, S, E), np.float32) for _ in range(2))
+    size = np.array([1e-6, 1e3, 1.0, 1e-3][:E // 32], np.float32).repeat(32)
+    v *= size
+    v[0, 1, 500, 40] = np.nan  # head 1's group 1 of row 500
+    (kq, ks), (vq, vs) = quantize(k, "int4"), quantize(v, "int4")
+    kw = dict(scale=E ** -0.5, num_threads=2, causal_offset=S - L)
+    grouped = _core.attention(q, kq, vq, k_scale=ks, v_scale=vs, enable_gqa=True, **kw)
+    rep = (lambda a: np.repeat(a, G, axis=1))
+    repeated = _core.attention(q, rep(kq), rep(vq), k_scale=rep(ks), v_scale=rep(vs), **kw)
+    np.testing.assert_array_equal(grouped, repeated)
+    one = _core.attention(q[:, :1], kq[:, :1], vq[:, :1], k_scale=ks[:, :1], v_scale=vs[:, :1],
+                          **kw)
+    np.testing.assert_array_equal(one, grouped[:, :1])
+    kd = dequantize(kq, ks, "int4").astype(np.float64)
+    vd = dequantize(vq, vs, "int4").astype(np.float64)
+    ref = oracle.scaled_dot_product_attention(q.astype(np.float64), rep(kd), rep(vd),
+                                              scale=E ** -0.5)
+    nan = np.zeros(grouped.shape, bool)
+    nan[0, G:, :, 32:64] = True
+    assert np.isnan(grouped[nan]).all() and np.isfinite(grouped[~nan]).all()
+    ok = np.where(nan, 0, grouped) / size, np.where(nan, 0, ref) / size
+    np.testing.assert_allclose(*ok, rtol=0, atol=2e-6)
+
+
 @pytest.mark.parametrize("fmt", ["float32"] + FORMATS)
 def test_decode_over_a_large_cache_reads_ahead_correctly(rng, fmt):
     """A decode call whose keys and values take 8 MB or more asks the memory for rows
