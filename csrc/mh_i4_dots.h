@@ -142,7 +142,8 @@ MH_INLINE void FN(i4_dots16)(const int8_t *dig, const T *qs, T dq, FN(kv_rows) k
             const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(b, 4), low4);
             __m512i a = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, Dl[0]);
             a = _mm512_slli_epi32(_mm512_dpbusd_epi32(a, hi, Dh[0]), 8);
-            a = _mm512_slli_epi32(_mm512_dpbusd_epi32(_mm512_dpbusd_epi32(a, lo, Dl[1]), hi, Dh[1]), 8);
+            a = _mm512_slli_epi32(
+                _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(a, lo, Dl[1]), hi, Dh[1]), 8);
             A[t] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(a, lo, Dl[2]), hi, Dh[2]);
         }
         /* each block's four lanes summed: two in integers (at most 16 products of a
@@ -155,9 +156,9 @@ MH_INLINE void FN(i4_dots16)(const int8_t *dig, const T *qs, T dq, FN(kv_rows) k
                 _mm512_unpacklo_epi32(X[0], X[1]), _mm512_unpackhi_epi32(X[0], X[1])));
             const __m512 F23 = _mm512_cvtepi32_ps(_mm512_add_epi32(
                 _mm512_unpacklo_epi32(X[2], X[3]), _mm512_unpackhi_epi32(X[2], X[3])));
-            Z[h] = _mm512_add_ps(
-                _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(F01), _mm512_castps_pd(F23))),
-                _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(F01), _mm512_castps_pd(F23))));
+            const __m512d P01 = _mm512_castps_pd(F01), P23 = _mm512_castps_pd(F23);
+            Z[h] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(P01, P23)),
+                                 _mm512_castpd_ps(_mm512_unpackhi_pd(P01, P23)));
         }
         const __m512 G0 = _mm512_permutex2var_ps(Z[0], idx_g0, Z[1]);
         const __m512 G1 = _mm512_permutex2var_ps(Z[0], idx_g1, Z[1]);
@@ -237,7 +238,8 @@ static int FN(i4_mix_weights)(const T *p, FN(kv_rows) v, int64_t g0, int64_t n16
     w->pm[1] = _mm512_reduce_add_ps(pm1);
     if (bad) return 0;
     for (int g = 0; g < 2; ++g)
-        if (!(m[g] < INFINITY) || (m[g] != 0.0f && m[g] <= 1e-30f) || !(w->pm[g] - w->pm[g] == 0.0f))
+        if (!(m[g] < INFINITY) || (m[g] != 0.0f && m[g] <= 1e-30f) ||
+            !(w->pm[g] - w->pm[g] == 0.0f))
             return 0;
     const __m512i h = _mm512_set1_epi32(128), lo8 = _mm512_set1_epi32(255);
     for (int g = 0; g < 2; ++g) {
@@ -284,7 +286,8 @@ static void FN(i4_mix_rows)(const FN(i4_mix_w) *w, FN(kv_rows) v, int64_t g0, in
         /* byte pairs of rows 0-1 (C) and 2-3 (E), 128-bit blocks: bytes 0-7, 16-23,
            8-15, 24-31 */
         const __m512i T1 = _mm512_unpacklo_epi8(A, B), T2 = _mm512_unpackhi_epi8(A, B);
-        const __m512i C = _mm512_shuffle_i32x4(T1, T2, 0x44), E = _mm512_shuffle_i32x4(T1, T2, 0xEE);
+        const __m512i C = _mm512_shuffle_i32x4(T1, T2, 0x44);
+        const __m512i E = _mm512_shuffle_i32x4(T1, T2, 0xEE);
         /* a lane a byte of the four rows: W1's blocks bytes 0-3, 16-19, 8-11, 24-27,
            W2's 4-7, 20-23, 12-15, 28-31 (group 0, 1, 0, 1) */
         const __m512i W1 = _mm512_unpacklo_epi16(C, E), W2 = _mm512_unpackhi_epi16(C, E);
@@ -321,7 +324,8 @@ static void FN(i4_mix_rows)(const FN(i4_mix_w) *w, FN(kv_rows) v, int64_t g0, in
 #undef MH_DIGITS_SUM
     /* to split order: even channels (bytes' low nibbles) of group 0 from F[0]'s
        and F[2]'s blocks 0 and 2, of group 1 from blocks 1 and 3; odd from F[1], F[3] */
-    const __m512i idx = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27);
+    const __m512i idx =
+        _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27);
     const __m512i idx1 = _mm512_add_epi32(idx, _mm512_set1_epi32(4));
     const __m512 dq0 = _mm512_set1_ps(w->dq[0]), dq1 = _mm512_set1_ps(w->dq[1]),
                  m0 = _mm512_set1_ps(w->pm[0]), m1 = _mm512_set1_ps(w->pm[1]);
