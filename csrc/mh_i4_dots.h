@@ -302,18 +302,17 @@ static void FN(i4_mix_rows)(const FN(i4_mix_w) *w, FN(kv_rows) v, int64_t g0, in
             memcpy(&x1, w->dig[d][1] + j, 4);
             D[d] = _mm512_mask_set1_epi32(_mm512_set1_epi32(x0), 0xF0F0, x1);
         }
-        MH_DPBUSD_TO(a00, U0, D[0]);
-        MH_DPBUSD_TO(a01, U1, D[0]);
-        MH_DPBUSD_TO(a02, U2, D[0]);
-        MH_DPBUSD_TO(a03, U3, D[0]);
-        MH_DPBUSD_TO(a10, U0, D[1]);
-        MH_DPBUSD_TO(a11, U1, D[1]);
-        MH_DPBUSD_TO(a12, U2, D[1]);
-        MH_DPBUSD_TO(a13, U3, D[1]);
-        MH_DPBUSD_TO(a20, U0, D[2]);
-        MH_DPBUSD_TO(a21, U1, D[2]);
-        MH_DPBUSD_TO(a22, U2, D[2]);
-        MH_DPBUSD_TO(a23, U3, D[2]);
+#define MH_DIGIT_DOTS(x0, x1, x2, x3, Dd) \
+    do {                                   \
+        MH_DPBUSD_TO(x0, U0, Dd);          \
+        MH_DPBUSD_TO(x1, U1, Dd);          \
+        MH_DPBUSD_TO(x2, U2, Dd);          \
+        MH_DPBUSD_TO(x3, U3, Dd);          \
+    } while (0)
+        MH_DIGIT_DOTS(a00, a01, a02, a03, D[0]);
+        MH_DIGIT_DOTS(a10, a11, a12, a13, D[1]);
+        MH_DIGIT_DOTS(a20, a21, a22, a23, D[2]);
+#undef MH_DIGIT_DOTS
     }
     const __m512 s16 = _mm512_set1_ps(65536.0f), s8 = _mm512_set1_ps(256.0f);
 #define MH_DIGITS_SUM(x0, x1, x2)                                                         \
