@@ -88,21 +88,35 @@ void FN(mh_block_item)(const mh_attn_args *a, int64_t pair, int64_t q0, void *sc
 }
 
 /* mh_split_fn: every query row (q_len <= MH_BLOCK_Q) of pair `pair` against
-   keys [range * split_keys, (range + 1) * split_keys); writes the unnormalised
-   output, row max and row sum to the partial buffers for mh_merge_item. */
-void FN(mh_split_item)(const mh_attn_args *a, int64_t pair, int64_t range, void *scratch)
+   each key range [r * split_keys, (r + 1) * split_keys) of the item's run of
+   split_run ranges, in turn; writes each range's unnormalised output, row max
+   and row sum to the partial buffers for mh_merge_item.  A range's result
+   does not depend on the run it is in: its rows start from no key seen (the
+   few-rows path prepares the query rows once for the run). */
+void FN(mh_split_item)(const mh_attn_args *a, int64_t pair, int64_t item, void *scratch)
 {
-    const int64_t L = a->q_len * mh_group(a), Ev = a->v_dim, keys = a->plan->split_keys;
-    FN(work) w = FN(carve)(a, &a->plan->item[0], scratch);
-    const int64_t part = pair * a->plan->n_split + range;
-    T *pacc = (T *)a->split.acc + part * L * Ev;
-    T *pm = (T *)a->split.row_max + part * L;
-    T *pl = (T *)a->split.row_sum + part * L;
-    FN(attend)(a, pair, 0, L, range * keys, (range + 1) * keys, &w);
-    for (int64_t i = 0; i < L; ++i) {
-        pm[i] = w.row_max[i];
-        pl[i] = w.row_sum[i];
-        for (int64_t d = 0; d < Ev; ++d) pacc[i * Ev + d] = w.acc[i * w.evp + d];
+    const mh_plan *p = a->plan;
+    const int64_t L = a->q_len * mh_group(a), Ev = a->v_dim, keys = p->split_keys;
+    const int64_t r0 = item * p->split_run;
+    const int64_t r1 = r0 + p->split_run < p->n_split ? r0 + p->split_run : p->n_split;
+    FN(work) w = FN(carve)(a, &p->item[0], scratch);
+    if (w.few_rows) FN(few_rows_prep)(a, pair, 0, L, &w);
+    for (int64_t range = r0; range < r1; ++range) {
+        const int64_t part = pair * p->n_split + range;
+        T *pacc = (T *)a->split.acc + part * L * Ev;
+        T *pm = (T *)a->split.row_max + part * L;
+        T *pl = (T *)a->split.row_sum + part * L;
+        if (w.few_rows) {
+            FN(few_rows_reset)(&w, L);
+            FN(few_rows_blocks)(a, pair, 0, L, range * keys, (range + 1) * keys, &w);
+        } else {
+            FN(attend)(a, pair, 0, L, range * keys, (range + 1) * keys, &w);
+        }
+        for (int64_t i = 0; i < L; ++i) {
+            pm[i] = w.row_max[i];
+            pl[i] = w.row_sum[i];
+            for (int64_t d = 0; d < Ev; ++d) pacc[i * Ev + d] = w.acc[i * w.evp + d];
+        }
     }
 }
 

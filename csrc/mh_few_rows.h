@@ -584,15 +584,17 @@ static void FN(few_rows_mix)(const mh_attn_args *a, int64_t pair, int64_t nq, in
     }
 }
 
-/* Few-rows path over keys [k_lo, k_hi): same results layout as attend_tile. */
-static void FN(attend_few_rows)(const mh_attn_args *a, int64_t pair, int64_t q0, int64_t nq,
-                                int64_t k_lo, int64_t k_hi, FN(work) *w)
+/* The few-rows path's query rows of an item, ready for any keys: scaled (and
+   widened) into qt, with int4 keys their group sums and digits in kpack; the
+   padding columns of copied rows zeroed. */
+static void FN(few_rows_prep)(const mh_attn_args *a, int64_t pair, int64_t q0, int64_t nq,
+                              FN(work) *w)
 {
     const int64_t E = a->head_dim, Ev = a->v_dim, ep = w->ep, evp = w->evp, L = nq / mh_group(a);
     const T scale = (T)mh_score_scale(a);
 
     /* (local pointers: the compiler cannot know that these stores leave *w alone) */
-    T *qt = w->qt, *acc = w->acc;
+    T *qt = w->qt;
     const V vscale = V_SET1(scale);
     for (int64_t i = 0; i < nq; ++i) {
         const int64_t off = mh_row_offset(a, &a->q, pair, q0, i, L);
@@ -606,8 +608,6 @@ static void FN(attend_few_rows)(const mh_attn_args *a, int64_t pair, int64_t q0,
         for (; d + VW <= E; d += VW) V_STORE(qi + d, V_MUL(V_LOAD(q + d), vscale));
         for (; d < E; ++d) qi[d] = q[d] * scale;
         for (; d < ep; ++d) qi[d] = 0;
-        w->row_max[i] = (T)(-INFINITY);
-        w->row_sum[i] = 0;
     }
     if (w->k_in_place && a->kv_format == MH_STORE_I4) /* FN(i4_key_lanes)'s query sums, in kpack */
         for (int64_t i = 0; i < nq; ++i)
@@ -627,7 +627,6 @@ static void FN(attend_few_rows)(const mh_attn_args *a, int64_t pair, int64_t q0,
     if (w->k_in_place && a->kv_format == MH_STORE_I4 && FN(i4_dots_fit)(E))
         for (int64_t i = 0; i < nq; ++i) FN(i4_digits)(qt + i * ep, E, w->kpack, i);
 #endif
-    for (int64_t i = 0; i < nq * evp; i += VW) V_STORE(acc + i, V_ZERO());
     /* copied key / value rows: load_rows writes columns [0, E) and [0, Ev) of
        the rows it copies and the dots and the mix read only those rows, so
        only the padding columns up to ep / evp must be (finite) zeros */
@@ -637,7 +636,25 @@ static void FN(attend_few_rows)(const mh_attn_args *a, int64_t pair, int64_t q0,
     if (!w->v_in_place && evp > Ev)
         for (int64_t j = 0; j < BK; ++j)
             for (int64_t d = Ev; d < evp; ++d) w->vpack[j * evp + d] = 0;
+}
 
+/* No key seen yet: row maxima -inf, sums and outputs 0. */
+static void FN(few_rows_reset)(FN(work) *w, int64_t nq)
+{
+    T *acc = w->acc;
+    for (int64_t i = 0; i < nq; ++i) {
+        w->row_max[i] = (T)(-INFINITY);
+        w->row_sum[i] = 0;
+    }
+    for (int64_t i = 0; i < nq * w->evp; i += VW) V_STORE(acc + i, V_ZERO());
+}
+
+/* The prepared rows (FN(few_rows_prep)) against keys [k_lo, k_hi), onto the
+   running maxima, sums and outputs. */
+static void FN(few_rows_blocks)(const mh_attn_args *a, int64_t pair, int64_t q0, int64_t nq,
+                                int64_t k_lo, int64_t k_hi, FN(work) *w)
+{
+    const int64_t L = nq / mh_group(a);
     int64_t k_begin, k_end;
     mh_key_range(a, q0, L, k_lo, k_hi, &k_begin, &k_end);
     for (int64_t k0 = k_begin; k0 < k_end; k0 += BK) {
@@ -650,3 +667,11 @@ static void FN(attend_few_rows)(const mh_attn_args *a, int64_t pair, int64_t q0,
     }
 }
 
+/* Few-rows path over keys [k_lo, k_hi): same results layout as attend_tile. */
+static void FN(attend_few_rows)(const mh_attn_args *a, int64_t pair, int64_t q0, int64_t nq,
+                                int64_t k_lo, int64_t k_hi, FN(work) *w)
+{
+    FN(few_rows_prep)(a, pair, q0, nq, w);
+    FN(few_rows_reset)(w, nq);
+    FN(few_rows_blocks)(a, pair, q0, nq, k_lo, k_hi, w);
+}

@@ -89,9 +89,12 @@ typedef struct mh_causal {
 
    Schedules.  Block: every (pair, query block of up to MH_BLOCK_Q rows) is an
    item (mh_block_fn).  Split (a few query rows against many keys): every
-   (pair, key range of split_keys keys) is an item (mh_split_fn) that writes
-   partial (output, row max, row sum) triples, and a second pass merges each
-   pair's ranges in range order (mh_merge_fn).
+   (pair, run of split_run consecutive key ranges of split_keys keys) is an
+   item (mh_split_fn) that writes a partial (output, row max, row sum) triple
+   per range, and a second pass merges each pair's ranges in range order
+   (mh_merge_fn).  A thread then streams a run's keys and values in one go
+   (its read-ahead runs on across the ranges), while a range's result is the
+   same in any run.
 
    Paths.  An item of a few rows (decode) takes the few-rows path: scores per
    row, keys and values read in place where their format and width allow.
@@ -120,6 +123,7 @@ typedef struct mh_plan {
     int64_t n_blocks;   /* query blocks per pair (block schedule) */
     int64_t n_split;    /* key ranges per pair; 0: block schedule */
     int64_t split_keys; /* keys per range */
+    int64_t split_run;  /* ranges per item, taken in turn (split schedule) */
     int64_t n_items;    /* items of the first pass */
     mh_item_plan item[2]; /* [0] every item, except [1] a pair's last query
                              block in the block schedule */
@@ -235,8 +239,9 @@ typedef struct mh_attn_args {
 /* Query block: pair `pair`, rows [q_start, min(q_start + MH_BLOCK_Q, L)). */
 typedef void (*mh_block_fn)(const mh_attn_args *args, int64_t pair, int64_t q_start,
                             void *scratch);
-/* Split-key item: every query row of pair `pair` against key range `range`. */
-typedef void (*mh_split_fn)(const mh_attn_args *args, int64_t pair, int64_t range,
+/* Split-key item: every query row of pair `pair` against each key range of
+   the pair's run `run` (ranges [run * split_run, (run + 1) * split_run)). */
+typedef void (*mh_split_fn)(const mh_attn_args *args, int64_t pair, int64_t run,
                             void *scratch);
 /* Merge of pair `pair`'s ranges into the output (scratch: >= Ev elements). */
 typedef void (*mh_merge_fn)(const mh_attn_args *args, int64_t pair, void *scratch);

@@ -13,6 +13,18 @@
 /* Keys per range of the split schedule: fixed, so that a result never
    depends on the thread count. */
 #define MH_SPLIT_KEYS 512
+/* A split item takes up to MH_SPLIT_RUN consecutive ranges of its pair in
+   turn, as long as each thread keeps about MH_SPLIT_ITEMS_PER_THREAD items to
+   balance with.  Its thread then streams the pair's keys and values on from
+   one range to the next, its read-ahead already there, and prepares the query
+   rows once.  Decode over caches of 12 heads of 64, 2 threads, medians of
+   rounds alternating in one process, against one range an item: L=16384,
+   eight such layers stepped in turn (each finds its cache out of the
+   last-level cache), int4 1.19x less time, int8 1.20x, float16 1.03x;
+   L=4096 int4 1.30x, int8 1.15x; one layer at L=16384, int4 1.22x.  Runs of
+   16 measured as 8.  A range's result is the same in any run. */
+#define MH_SPLIT_RUN 8
+#define MH_SPLIT_ITEMS_PER_THREAD 8
 /* Multiply-adds below which a call runs on the calling thread alone: waking
    the pool costs more than the split saves ... */
 #define MH_SERIAL_WORK 524288.0
@@ -157,6 +169,13 @@ void mh_plan_attention(const mh_call_desc *d, const mh_caps *caps, mh_plan *p)
     }
     p->work = (double)p->n_pairs * (double)rows * (double)S * (double)(E + Ev);
     p->threads = mh_plan_threads(d->threads, p->n_items, p->work, d->contended);
+    if (p->n_split) { /* runs of ranges: as long as the threads keep enough items */
+        int64_t run = p->n_items / ((int64_t)MH_SPLIT_ITEMS_PER_THREAD * p->threads);
+        run = run < 1 ? 1 : run > MH_SPLIT_RUN ? MH_SPLIT_RUN : run;
+        const int64_t per_pair = (p->n_split + run - 1) / run;
+        p->split_run = (p->n_split + per_pair - 1) / per_pair; /* even runs */
+        p->n_items = p->n_pairs * per_pair;
+    }
     p->merge_threads = p->n_pairs < p->threads ? (int)(p->n_pairs > 1 ? p->n_pairs : 1)
                                                : p->threads;
     /* prefill over float16 / bfloat16 keys and values: each thread keeps the
@@ -178,5 +197,5 @@ void mh_plan_attention(const mh_call_desc *d, const mh_caps *caps, mh_plan *p)
     }
     p->scratch_stride = mh_scratch_stride(E, Ev, (size_t)d->elem_size) +
                         (p->widened_rows ? mh_widened_bytes(E, Ev, S) : 0);
-    p->partial_elems = p->n_split ? (size_t)(p->n_items * rows * (Ev + 2)) : 0;
+    p->partial_elems = p->n_split ? (size_t)(p->n_pairs * p->n_split * rows * (Ev + 2)) : 0;
 }

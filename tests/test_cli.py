@@ -54,8 +54,9 @@ def test_info_explain_prints_the_plan_of_a_decode_step_through_an_int8_cache():
     assert res.returncode == 0, res.stderr
     out = res.stdout
     assert "1 query row against 16384 keys" in out and "keys and values int8" in out
-    assert "12 (batch, head) pairs x 32 key ranges of 512 = 384 work items" in out
-    assert "384 items of 1 row: few rows path" in out
+    assert ("12 (batch, head) pairs x 32 key ranges of 512, 8 in turn a work item = "
+            "48 work items") in out
+    assert "48 items of 1 row: few rows path" in out
 
 
 def test_info_explain_shows_grouped_heads_and_prefill_blocks():

@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 
 import manyheads as mh
-from manyheads import _core, _formats, _kernels
+from manyheads import _core, _formats, _kernels, oracle
 from manyheads.cache import quantize
-from conftest import TWO_THREADS
+from conftest import TWO_THREADS, atol_for
 
 ISA = mh.kernel_isa()
 LANES_F32 = {"baseline": 4, "avx2": 8, "avx512": 16, "avx512bf16": 16}[ISA]
@@ -25,12 +25,50 @@ def test_decode_against_a_long_cache_splits_the_keys():
     plan = mh.explain(q, k, k, num_threads=2)
     assert plan.schedule == "split keys"
     assert (plan.key_ranges, plan.range_keys) == (32, 512)
-    assert plan.work_items == 12 * 32 and plan.threads == TWO_THREADS and plan.merge_threads == TWO_THREADS
+    # each work item takes 8 of a head's ranges in turn: 4 items a head
+    assert plan.ranges_per_item == 8 and plan.work_items == 12 * 4
+    assert plan.threads == TWO_THREADS and plan.merge_threads == TWO_THREADS
     (item,) = plan.items
-    assert (item.count, item.rows, item.path) == (384, 1, "few rows")
+    assert (item.count, item.rows, item.path) == (48, 1, "few rows")
     assert (item.keys, item.values) == ("in place", "in place")
     assert plan.prefetch  # 50 MB of keys and values: rows are asked for ahead
-    assert plan.partial_bytes == 384 * 1 * (64 + 2) * 4
+    assert plan.partial_bytes == 12 * 32 * 1 * (64 + 2) * 4  # a partial result per range
+
+
+def test_runs_of_key_ranges_leave_every_threads_enough_items():
+    q, k = zeros(1, 12, 1, 64), zeros(1, 12, 4096, 64)
+    # 96 ranges: runs of 4 keep 2 threads 12 items each; one thread takes runs of 8
+    plan = mh.explain(q, k, k, num_threads=2)
+    assert plan.key_ranges == 8
+    assert (plan.ranges_per_item, plan.work_items) == ((4, 24) if TWO_THREADS == 2 else (8, 12))
+    assert (mh.explain(q, k, k, num_threads=1).ranges_per_item,
+            mh.explain(q, k, k, num_threads=1).work_items) == (8, 12)
+    # few heads: a range an item
+    one = mh.explain(q[:, :1], k[:, :1], k[:, :1], num_threads=1)
+    assert (one.key_ranges, one.ranges_per_item, one.work_items) == (8, 1, 8)
+
+
+@pytest.mark.parametrize("rows", [1, 4, 16])  # the few-rows path, and the tile path
+@pytest.mark.parametrize("window", [None, 1100])
+def test_a_key_range_gives_the_same_bits_in_any_run(rng, rows, window):
+    """One head alone (a range an item) and the same head among 12 (runs of
+    ranges), with a window that leaves whole ranges of a run empty."""
+    S = 5000
+    q = rng.standard_normal((1, 12, rows, 64)).astype(np.float32)
+    k, v = (rng.standard_normal((1, 12, S, 64)).astype(np.float32) for _ in range(2))
+    kw = dict(scale=0.125, causal_offset=S - rows, window=window, split=True)
+    many = _core.attention(q, k, v, num_threads=2, **kw)
+    assert _core.attention(q, k, v, num_threads=2, explain_only=True, **kw).ranges_per_item > 1
+    for h in (0, 7):
+        sl = slice(h, h + 1)
+        assert _core.attention(q[:, sl], k[:, sl], v[:, sl], num_threads=1, explain_only=True,
+                               **kw).ranges_per_item == 1
+        alone = _core.attention(q[:, sl], k[:, sl], v[:, sl], num_threads=1, **kw)
+        np.testing.assert_array_equal(many[:, sl], alone)
+    ref = oracle.scaled_dot_product_attention(
+        q.astype(np.float64), k.astype(np.float64), v.astype(np.float64), is_causal=True,
+        scale=0.125, causal_offset=S - rows, window=window)
+    np.testing.assert_allclose(many, ref, rtol=0, atol=atol_for(np.float32))
 
 
 def test_decode_against_a_short_cache_runs_one_block_per_head_without_prefetch():
@@ -149,8 +187,8 @@ def test_the_plan_reads_in_words():
     text = str(mh.explain(q, k, k, num_threads=2))
     threads = "2 threads" if TWO_THREADS == 2 else "1 thread"
     assert f"float32 attention on the {ISA} kernels, {threads}" in text
-    assert "32 key ranges of 512 = 384 work items" in text
-    assert "384 items of 1 row: few rows path, keys in place, values in place" in text
+    assert "32 key ranges of 512, 8 in turn a work item = 48 work items" in text
+    assert "48 items of 1 row: few rows path, keys in place, values in place" in text
 
 
 def test_the_plan_gives_the_threads_a_call_uses_however_the_budget_is_set():

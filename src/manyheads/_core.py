@@ -164,6 +164,7 @@ class CallPlan:
     query_blocks: int  # query blocks per pair (block schedule)
     key_ranges: int  # key ranges per pair (split-key schedule), 0: block schedule
     range_keys: int  # keys per range
+    ranges_per_item: int  # consecutive key ranges one work item takes in turn
     work_items: int
     items: tuple[ItemPlan, ...]
     threads: int
@@ -191,7 +192,8 @@ class CallPlan:
         pairs = f"{self.pairs} (batch, {'kv ' if self.group > 1 else ''}head) pairs"
         if self.key_ranges:
             lines.append(f"  split keys: {pairs} x {n(self.key_ranges, 'key range')} of "
-                         f"{self.range_keys} = {n(self.work_items, 'work item')}, then "
+                         f"{self.range_keys}, {self.ranges_per_item} in turn a work item = "
+                         f"{n(self.work_items, 'work item')}, then "
                          f"{n(self.pairs, 'merge')} on {n(self.merge_threads, 'thread')}")
         else:
             lines.append(f"  query blocks: {pairs} x {n(self.query_blocks, 'block')} = "
@@ -234,7 +236,8 @@ def _call_plan(call: Any, q_fmt: _formats.StorageFormat, kv_fmt: _formats.Storag
         query_rows=shape[0], keys=shape[1], head_dim=shape[2], value_dim=shape[3],
         pairs=p["pairs"], group=p["group"],
         query_blocks=p["query_blocks"], key_ranges=p["key_ranges"], range_keys=p["range_keys"],
-        work_items=p["work_items"], items=tuple(ItemPlan(**it) for it in p["items"]),
+        ranges_per_item=p["ranges_per_item"], work_items=p["work_items"],
+        items=tuple(ItemPlan(**it) for it in p["items"]),
         threads=p["threads"], merge_threads=p["merge_threads"], prefetch=p["prefetch"],
         widened_rows=p["widened_rows"], scratch_bytes=p["scratch_bytes_per_thread"],
         partial_bytes=p["partial_bytes"], multiply_adds=p["multiply_adds"])

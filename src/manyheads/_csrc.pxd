@@ -55,7 +55,7 @@ cdef extern from "mh_kernels.h" nogil:
         int k_read, v_read
 
     ctypedef struct mh_plan:
-        int64_t n_pairs, group, n_blocks, n_split, split_keys, n_items
+        int64_t n_pairs, group, n_blocks, n_split, split_keys, split_run, n_items
         mh_item_plan item[2]
         int threads, merge_threads, prefetch
         int64_t widened_rows

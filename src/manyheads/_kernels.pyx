@@ -234,7 +234,7 @@ cdef struct Job:
     mh_linear_widen_fn widen
     void (*tile)(const mh_linear_args *args, int64_t tile) noexcept nogil
     int64_t n_blocks  # query blocks per pair
-    int64_t n_split   # key ranges per pair
+    int64_t n_runs    # split items (runs of key ranges) per pair
     char *scratch     # per-thread areas, `stride` bytes apart
     size_t stride
 
@@ -249,7 +249,7 @@ cdef void _block_item(const Job *j, int64_t it, char *scratch) noexcept nogil:
 
 
 cdef void _split_item(const Job *j, int64_t it, char *scratch) noexcept nogil:
-    j.split(j.attn, it // j.n_split, it % j.n_split, scratch)
+    j.split(j.attn, it // j.n_runs, it % j.n_runs, scratch)
 
 
 cdef void _merge_item(const Job *j, int64_t it, char *scratch) noexcept nogil:
@@ -896,7 +896,8 @@ cdef class AttentionCall:
                  for count, ip in kinds]
         return {"isa": self.table.name.decode(), "float64": bool(self.is_f64),
                 "pairs": p.n_pairs, "group": p.group, "query_blocks": p.n_blocks,
-                "key_ranges": p.n_split, "range_keys": p.split_keys, "work_items": p.n_items,
+                "key_ranges": p.n_split, "range_keys": p.split_keys,
+                "ranges_per_item": p.split_run if p.n_split else 0, "work_items": p.n_items,
                 "items": items, "threads": p.threads,
                 "merge_threads": p.merge_threads if p.n_split else 0,
                 "prefetch": bool(p.prefetch), "widened_rows": p.widened_rows,
@@ -1013,7 +1014,7 @@ cdef class AttentionCall:
         cdef size_t rows
         job.attn = &self.a
         job.n_blocks = p.n_blocks
-        job.n_split = p.n_split
+        job.n_runs = p.n_items // p.n_pairs if p.n_split else 0
         job.block = self.table.block_f64 if self.is_f64 else self.table.block_f32
         job.split = self.table.split_f64 if self.is_f64 else self.table.split_f32
         job.merge = self.table.merge_f64 if self.is_f64 else self.table.merge_f32
@@ -1024,7 +1025,7 @@ cdef class AttentionCall:
                 self._parts = np.empty(p.partial_elems,
                                        dtype=np.float64 if self.is_f64 else np.float32)
             parts = self._parts
-            rows = p.n_items * self.a.q_len * p.group  # (items, rows) maxima and sums
+            rows = p.n_pairs * p.n_split * self.a.q_len * p.group  # (ranges, rows) maxima, sums
             self.a.split.acc = _data(parts)
             self.a.split.row_max = <char *>_data(parts) + elem * rows * self.a.v_dim
             self.a.split.row_sum = <char *>self.a.split.row_max + elem * rows
@@ -1055,7 +1056,8 @@ cdef class AttentionCall:
                 mh_widened_reset(job.scratch + t * job.stride, self.a.head_dim, self.a.v_dim)
         try:
             if p.n_split:
-                # every (pair, key range) on its own, then each pair's ranges merged in order
+                # every (pair, run of key ranges) on its own, then each pair's ranges merged
+                # in order
                 _run_items(&job, _split_item, p.n_items, p.threads, check_signals)
                 _run_items(&job, _merge_item, p.n_pairs, p.merge_threads, check_signals)
             else:
