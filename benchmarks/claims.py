@@ -38,6 +38,8 @@ CLAIMS: tuple[ClaimSpec, ...] = (
     ClaimSpec("tiny_sdpa", "tiny SDPA (12 heads × 1 query × 16 keys) ≥ 1.5× torch", 1.5),
     ClaimSpec("int4_cold", "int4 KV cache ≥ 1.5× the int8 cache (decode step, L=16384, "
                            "cache cold)", 1.5),
+    ClaimSpec("int4_deep", "int4 KV cache ≥ 1.5× the int8 cache (decode step, L=16384, "
+                           "layers stepped in turn, each finding its cache cold)", 1.5),
     ClaimSpec("openblas", "layer decode step within 1.2× of its time in the run with "
                           "OPENBLAS_NUM_THREADS=1", 1.2, ceiling=True),
     ClaimSpec("smollm2_attention", "SmolLM2-135M-shaped model, prefill T=4096: time inside "
@@ -83,6 +85,7 @@ def _ratios(r: BenchResult) -> dict[str, tuple[float | None, bool | None]]:
     tiny = inf.tiny_sdpa if inf else None
     mod = r.module
     cold = next((row.cold_step_us for row in r.cache_formats or [] if row.L == 16384), {})
+    deep = next((row.deep_step_us for row in r.cache_formats or [] if row.L == 16384), {})
     return {
         "layer_decode": (main.torch_us / main.manyheads_us
                          if main and main.torch_us and main.torch_in_process else None, None),
@@ -93,6 +96,8 @@ def _ratios(r: BenchResult) -> dict[str, tuple[float | None, bool | None]]:
         "tiny_sdpa": (tiny.torch_us / tiny.manyheads_us
                       if tiny and tiny.torch_us is not None else None, None),
         "int4_cold": (cold["int8"] / cold["int4"] if "int8" in cold and "int4" in cold
+                      else None, None),
+        "int4_deep": (deep["int8"] / deep["int4"] if "int8" in deep and "int4" in deep
                       else None, None),
         "openblas": (main.manyheads_us / ob1.manyheads_us if main and ob1 else None, None),
         **_hf_ratios(r),

@@ -223,6 +223,16 @@ def _low_precision_lines(r: BenchResult, rows: list[CacheFormatRow]) -> list[str
                       f"{f} {c[f]:.0f} "
                       f"({_read_rate(cold_row.bytes_per_token[f], cold_row.L, c[f]):.1f} GB/s)"
                       for f in fmts if f in c) + "."]
+    deep_row = next((row for row in rows if row.deep_step_us), None)
+    if deep_row is not None:
+        c = deep_row.deep_step_us
+        lines += ["", f"The same step at L={deep_row.L} in a stack of such layers stepped in "
+                  "turn, each with its own cache (256 MiB of caches in all), so that each "
+                  "finds its cache out of the last-level cache and its code path warm, as in "
+                  "a deep model's decode, µs: " + ", ".join(
+                      f"{f} {c[f]:.0f} "
+                      f"({_read_rate(deep_row.bytes_per_token[f], deep_row.L, c[f]):.1f} GB/s)"
+                      for f in fmts if f in c) + "."]
     if rows[0].skipped:
         lines += ["", f"Not run: {', '.join(rows[0].skipped)} (ml_dtypes is not installed)."]
     g = r.gqa

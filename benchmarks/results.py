@@ -111,6 +111,10 @@ class CacheFormatRow:
     # format -> microseconds per step with the last-level cache evicted before each call
     # (as in a deep model, where the other layers' caches pass through it between steps)
     cold_step_us: dict[str, float] = field(default_factory=dict)
+    # format -> microseconds per step of layers stepped in turn, each with its own cache
+    # (enough of them that each finds its cache out of the last-level cache), as in a deep
+    # model's decode: the cache cold, the code path warm
+    deep_step_us: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass

@@ -331,6 +331,29 @@ def test_cold_cache_steps_are_reported_and_judge_the_int4_claim():
     assert {c.key: c for c in claims.evaluate(r)}["int4_cold"].met is True
 
 
+def test_steps_of_layers_in_turn_are_reported_and_judge_their_own_int4_claim():
+    """The deep-model steps (layers stepped in turn, each cache cold) get their own line,
+    and int8's time over int4's there is a claim apart from the flushed one."""
+    r = full_results()
+    assert "in a stack of such layers" not in report.format_markdown(r)
+    assert {c.key: c for c in claims.evaluate(r)}["int4_deep"].met is None
+    row = low_precision_row()
+    row.L = 16384
+    row.cold_step_us = {"int8": 3000.0, "int4": 2500.0}
+    row.deep_step_us = {"float16": 2600.0, "int8": 1800.0, "int4": 1500.0}
+    r.cache_formats = [low_precision_row(), row]
+    text = report.format_markdown(r)
+    # 1632 B * 16384 tokens / 1800 us = 14.9 GB/s
+    assert "L=16384 in a stack of such layers stepped in turn" in text
+    assert "int8 1800 (14.9 GB/s)" in text
+    got = {c.key: c for c in claims.evaluate(r)}
+    assert got["int4_deep"].ratio == pytest.approx(1.2) and got["int4_deep"].met is False
+    assert got["int4_cold"].ratio == pytest.approx(1.2)
+    row.deep_step_us["int4"] = 1200.0
+    got = {c.key: c for c in claims.evaluate(r)}
+    assert got["int4_deep"].met is True and got["int4_cold"].met is False
+
+
 def test_report_leaves_out_peers_that_are_not_installed():
     r = attention_results()
     r.peers = {"torch": "2.13.0+cpu", "onnxruntime": None, "openvino": None}
@@ -441,7 +464,7 @@ def test_the_claims_and_their_thresholds():
     assert [(c.key, c.threshold, c.ceiling) for c in claims.CLAIMS] == [
         ("layer_decode", 1.5, False), ("generation", 1.3, False),
         ("module_prefill", 1.2, False), ("tiny_sdpa", 1.5, False), ("int4_cold", 1.5, False),
-        ("openblas", 1.2, True),
+        ("int4_deep", 1.5, False), ("openblas", 1.2, True),
         ("smollm2_attention", 1.4, False), ("smollm2_model", 1.1, False),
         ("smollm2_decode", 1.0, False), ("gemma2_attention", 3.0, False),
         ("gemma2_model", 1.25, False)]
