@@ -338,7 +338,8 @@ def test_int4_decode_of_values_whose_groups_differ_by_decades(rng, E):
     weights written as integers on that group's own scale: channel groups whose values
     are 1e-6 and 1e3 in size each keep their own precision; a value group holding NaN
     gives NaN in its own channels only, in the rows whose weights reach it; and
-    grouped heads give the bits of repeated ones, whatever the number of rows."""
+    grouped heads give the bits of repeated ones, whatever the number of rows or the
+    rows' place in memory."""
     S, G, L = 1000, 3, 1
     q = normal(rng, (1, 2 * G, L, E), np.float32)
     k, v = (normal(rng, (1, 2, S, E), np.float32) for _ in range(2))
@@ -354,6 +355,12 @@ def test_int4_decode_of_values_whose_groups_differ_by_decades(rng, E):
     one = _core.attention(q[:, :1], kq[:, :1], vq[:, :1], k_scale=ks[:, :1], v_scale=vs[:, :1],
                           **kw)
     np.testing.assert_array_equal(one, grouped[:, :1])
+    # rows apart in memory (stored token by token, the heads side by side): rows of 64
+    # channels are then not read two at a time, and the bits are the same
+    by_token = (lambda a: np.ascontiguousarray(a.transpose(0, 2, 1, 3)).transpose(0, 2, 1, 3))
+    apart = _core.attention(q, by_token(kq), by_token(vq), k_scale=by_token(ks),
+                            v_scale=by_token(vs), enable_gqa=True, **kw)
+    np.testing.assert_array_equal(apart, grouped)
     kd = dequantize(kq, ks, "int4").astype(np.float64)
     vd = dequantize(vq, vs, "int4").astype(np.float64)
     ref = oracle.scaled_dot_product_attention(q.astype(np.float64), rep(kd), rep(vd),
