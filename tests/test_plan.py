@@ -36,7 +36,9 @@ def test_decode_against_a_long_cache_splits_the_keys():
 
 
 def test_runs_of_key_ranges_leave_every_threads_enough_items():
-    q, k = zeros(1, 12, 1, 64), zeros(1, 12, 4096, 64)
+    # (head size 128: work enough that a call just after one that found its threads
+    # without a core still takes 2 threads, whatever ran before)
+    q, k = zeros(1, 12, 1, 128), zeros(1, 12, 4096, 128)
     # 96 ranges: runs of 4 keep 2 threads 12 items each; one thread takes runs of 8
     plan = mh.explain(q, k, k, num_threads=2)
     assert plan.key_ranges == 8
