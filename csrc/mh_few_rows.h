@@ -93,6 +93,18 @@ MH_INLINE FN(kv_rows) FN(kv_in_place)(const mh_attn_args *a, const mh_operand *s
    four or eight slower.  p.data_bytes 0: nothing. */
 static inline void FN(prefetch_rows)(FN(kv_rows) p, int64_t j, int64_t n)
 {
+    if (p.data_bytes && p.row_bytes == p.data_bytes && p.row_bytes < 64) {
+        /* rows side by side, shorter than a line: each line once (int4 rows of 64
+           channels take half a line: an int4 step with its cache in L3 1.03x less
+           time on one thread) */
+        const char *a = (const char *)((uintptr_t)(p.base + j * p.row_bytes) & ~(uintptr_t)63);
+        const char *end = p.base + (j + n) * p.row_bytes;
+        if (p.to_l2)
+            for (; a < end; a += 64) MH_PREFETCH_L2(a);
+        else
+            for (; a < end; a += 64) MH_PREFETCH(a);
+        return;
+    }
     if (p.to_l2) {
         for (int64_t x = 0; x < p.data_bytes; x += 64)
             for (int64_t r = j; r < j + n; ++r) MH_PREFETCH_L2(p.base + r * p.row_bytes + x);
