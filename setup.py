@@ -8,7 +8,9 @@
   dispatcher picks one path; nothing is tuned to the build machine's CPU and
   no AVX code exists outside the per-ISA files.  A kernel file whose flags
   the compiler rejects is built without them if it can be (the avx512bf16
-  file then holds no path).
+  file then holds no path).  A kernel file that fails with flags the compiler
+  takes is an error in the file, and stops the build (rather than leave the
+  path out unseen).
   Host-tuning flags (``-march=...``, ``-mtune=...``, ``-mcpu=...``) that an
   environment's CFLAGS would add are removed, so a wheel built on a new CPU
   still runs on an old one.
@@ -25,6 +27,7 @@ import subprocess
 import sys
 import sysconfig
 import tempfile
+import threading
 from concurrent.futures import ThreadPoolExecutor
 
 from setuptools import Extension, setup
@@ -130,10 +133,33 @@ class BuildExt(build_ext):
         if dropped:
             print(f"manyheads: ignoring host-tuning flags {sorted(dropped)} (portable build)")
 
+    def _takes_flags(self, base, flags):
+        """Whether the compiler takes target flags ``flags`` at all: a file of one
+        function that includes the intrinsics' header (on x86), compiled once."""
+        key = tuple(base + flags)
+        with self._probe_lock:
+            if key not in self._probes:
+                tmp = tempfile.mkdtemp()
+                try:
+                    src = os.path.join(tmp, "flags_check.c")
+                    with open(src, "w") as fh:
+                        fh.write("#if defined(__x86_64__) || defined(_M_X64)\n"
+                                 "#include <immintrin.h>\n#endif\n"
+                                 "int manyheads_flags_check(int x) { return x + 1; }\n")
+                    self.compiler.compile([src], output_dir=tmp, extra_postargs=base + flags)
+                    self._probes[key] = True
+                except CompileError:
+                    self._probes[key] = False
+                finally:
+                    shutil.rmtree(tmp, ignore_errors=True)
+            return self._probes[key]
+
     def _compile_c(self, fname, base, flags):
         """Object files of one csrc/ file; a kernel file whose target flags the
         compiler rejects is compiled without them, which only a file that guards
-        itself on the ISA's macros survives (it then holds an empty table)."""
+        itself on the ISA's macros survives (it then holds an empty table).  A
+        file that fails with flags the compiler takes does not compile: that
+        error stops the build."""
         def compile_with(extra):
             return self.compiler.compile(
                 [os.path.join(CSRC, fname)], output_dir=self.build_temp, include_dirs=[CSRC],
@@ -142,13 +168,14 @@ class BuildExt(build_ext):
         try:
             return compile_with(flags)
         except CompileError:
-            if not flags:
+            if not flags or self._takes_flags(base, flags):
                 raise
             print(f"manyheads: the compiler rejects {' '.join(flags)}; building {fname} "
                   "without them")
             return compile_with([])
 
     def build_extensions(self):
+        self._probes, self._probe_lock = {}, threading.Lock()
         msvc = self._msvc()
         if not msvc:
             self._drop_host_tuning()

@@ -145,14 +145,54 @@ def test_the_function_finder_measures_a_function():
 
 
 def test_the_build_and_the_dispatcher_read_one_isa_list():
-    import importlib.util
-
     from manyheads import _kernels
 
-    spec = importlib.util.spec_from_file_location("manyheads_setup", SRC.parent.parent / "setup.py")
-    setup = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(setup)  # (setup() itself only runs as a script)
+    setup = _setup_module()
     files = list(setup.isa_flags(str(CSRC)))
     # the build's kernel files, best first, are the dispatcher's paths, best first
     assert [f.removeprefix("mh_").removesuffix(".c") for f in files] == list(_kernels.isa_names())
     assert {f for f, _ in setup.c_sources(csrc=str(CSRC))} == {p.name for p in CSRC.glob("*.c")}
+
+
+def _setup_module():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("manyheads_setup", SRC.parent.parent / "setup.py")
+    setup = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(setup)  # (setup() itself only runs as a script)
+    return setup
+
+
+@pytest.mark.parametrize("takes_flags", [True, False])
+def test_a_kernel_file_that_fails_with_flags_the_compiler_takes_stops_the_build(takes_flags):
+    """A kernel file is built without its target flags only when the compiler rejects
+    the flags themselves; when it takes them, the file's own error stops the build
+    (a path left out unseen would ship a slower wheel)."""
+    import threading
+    from setuptools.errors import CompileError
+
+    setup = _setup_module()
+    flags = ["-mavx512f"]
+    calls = []
+
+    class Compiler:  # stands in for the C compiler: the kernel file fails with its flags
+        def compile(self, sources, output_dir, extra_postargs, **kw):
+            name = Path(sources[0]).name
+            calls.append((name, list(extra_postargs)))
+            if name == "flags_check.c" and takes_flags:
+                return ["flags_check.o"]
+            if "-mavx512f" in extra_postargs:
+                raise CompileError(f"{name}: error")
+            return [name + ".o"]
+
+    ext = setup.BuildExt.__new__(setup.BuildExt)
+    ext.compiler, ext.build_temp = Compiler(), "build"
+    ext._probes, ext._probe_lock = {}, threading.Lock()
+    if takes_flags:
+        with pytest.raises(CompileError, match="mh_avx512.c"):
+            ext._compile_c("mh_avx512.c", ["-O3"], flags)
+    else:
+        assert ext._compile_c("mh_avx512.c", ["-O3"], flags) == ["mh_avx512.c.o"]
+    assert calls[0] == ("mh_avx512.c", ["-O3", "-mavx512f"])
+    assert calls[1] == ("flags_check.c", ["-O3", "-mavx512f"])
+    assert len(calls) == (2 if takes_flags else 3)
