@@ -164,7 +164,8 @@ def _setup_module():
 
 
 @pytest.mark.parametrize("takes_flags", [True, False])
-def test_a_kernel_file_that_fails_with_flags_the_compiler_takes_stops_the_build(takes_flags):
+def test_a_kernel_file_that_fails_with_flags_the_compiler_takes_stops_the_build(
+        takes_flags, monkeypatch):
     """A kernel file is built without its target flags only when the compiler rejects
     the flags themselves; when it takes them, the file's own error stops the build
     (a path left out unseen would ship a slower wheel)."""
@@ -172,6 +173,7 @@ def test_a_kernel_file_that_fails_with_flags_the_compiler_takes_stops_the_build(
     from setuptools.errors import CompileError
 
     setup = _setup_module()
+    monkeypatch.chdir(SRC.parent.parent)  # (setup.py runs from the source tree's root)
     flags = ["-mavx512f"]
     calls = []
 
