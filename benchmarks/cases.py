@@ -8,12 +8,13 @@ flops; the ceiling is the machine's SGEMM rate (NumPy float32 2048×2048).
 from __future__ import annotations
 
 import functools
+import itertools
 import os
 import subprocess
 import sys
 import threading
 import time
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
@@ -357,9 +358,8 @@ def _deep_steps(L: int, threads: int, k: np.ndarray, v: np.ndarray, q1: np.ndarr
             stack.append((layer, cache))
         cycle = max(cycle, len(stack))
 
-        def step(stack: list[Any] = stack, turn: list[int] = [0]) -> Any:
-            layer, cache = stack[turn[0] % len(stack)]
-            turn[0] += 1
+        def step(turns: Iterator[Any] = itertools.cycle(stack)) -> Any:
+            layer, cache = next(turns)
             y = layer(x, cache=cache, num_threads=threads)
             cache.truncate(L)
             return y
