@@ -12,8 +12,11 @@ manyheads' threads if the two alternated). Shapes are SmolLM2-135M's: the fused 
 up projection (576 x 3072), the down projection (1536 x 576) and the output head (576 x
 49152). NumPy's ``x @ W`` (float32, its BLAS's threads) is shown beside.
 
-Medians of interleaved rounds (the read rate: its best round, what the machine can do);
-every ratio from one run.
+Medians of interleaved rounds; every ratio from one run.  Two read rates: beside (each
+round's products against the mean of the reads just before and just after that round,
+the median over rounds: a VM's read rate moves by 1.5-2x within seconds, and this is
+the rate the round could have read) and best (the best read of the run, what the
+machine can do at its best).
 
     python benchmarks/bench_linear.py [--rounds 7] [--out FILE]
 """
@@ -87,6 +90,7 @@ def main() -> int:
         reads.append(read())
         for key in ours:
             times[key].append(run(*key))
+    reads.append(read())
     # NumPy's after manyheads' rounds: OpenBLAS's threads spin for a while after each
     # call, and interleaved they would take the two cores from manyheads' threads
     for key in cases:
@@ -94,21 +98,27 @@ def main() -> int:
             run(*key)
             times[key] = [run(*key) for _ in range(args.rounds)]
     read_rate = READ_BYTES / min(reads) / 1e9  # what the machine can do: the best round
+    rates = [READ_BYTES / t / 1e9 for t in reads]
+    beside = [(a + b) / 2 for a, b in zip(rates, rates[1:])]  # each of our rounds'
 
     lines = [f"manyheads {mh.__version__} ({mh.kernel_isa()}), {threads} threads; "
              f"medians of {args.rounds} interleaved rounds",
-             f"read rate (streaming sum of 512 MiB on manyheads' threads, best round): "
-             f"{read_rate:.1f} GB/s",
+             f"read rate (streaming sum of 512 MiB on manyheads' threads): best round "
+             f"{read_rate:.1f} GB/s; beside manyheads' rounds (mean of the reads before and "
+             "after each) " + ", ".join(f"{b:.1f}" for b in beside),
              "",
              f"{'one-row product':<20}{'weights':<10}{'MiB':>8}{'us':>10}{'GB/s':>8}"
-             f"{'of read rate':>14}"]
+             f"{'of beside':>11}{'of best':>9}"]
     for (label, fmt), ts in times.items():
         w = cases[(label, fmt)][0]
         sec = float(np.median(ts))
         rate = w.nbytes / sec / 1e9
         name = "NumPy x @ W f32" if fmt == "numpy" else fmt
+        # NumPy's rounds come after ours: no read beside them
+        of_beside = (f"{np.median([w.nbytes / t / 1e9 / b for t, b in zip(ts, beside)]):11.0%}"
+                     if fmt != "numpy" else f"{'':11}")
         lines.append(f"{label:<20}{name:<10}{w.nbytes / 2**20:8.1f}{sec * 1e6:10.0f}"
-                     f"{rate:8.1f}{rate / read_rate:13.0%}")
+                     f"{rate:8.1f}{of_beside}{rate / read_rate:9.0%}")
     text = "\n".join(lines)
     print(text)
     if args.out:

@@ -56,3 +56,25 @@ def test_without_llama_cpp_it_says_so_and_succeeds(tmp_path):
                           env={**os.environ, "PYTHONPATH": str(tmp_path)})
     assert proc.returncode == 0, proc.stderr
     assert "skipped" in proc.stdout and "llama_cpp" in proc.stdout
+
+
+def test_read_rate_beside_a_run_brackets_it_and_is_a_rate():
+    calls = []
+
+    def run():
+        calls.append(1)
+        return 0.25
+
+    seconds, before, after = bl.read_beside(run, 2)
+    assert calls == [1] and seconds == 0.25
+    assert 0.1 < before < 1e4 and 0.1 < after < 1e4  # GB/s of a real read
+    buf = bl.np.ones(1 << 20, bl.np.float32)
+    assert 0.1 < bl.read_rate(buf, 1, repeats=1) < 1e4
+
+
+def test_fraction_of_the_rate_beside_is_the_median_over_rounds():
+    # 1e9 bytes a token, 10 tokens in 1 s: 10 GB/s read, beside rates of mean 20, 10, 40
+    rounds = [{"beside": (1.0, 15.0, 25.0)}, {"beside": (1.0, 10.0, 10.0)},
+              {"beside": (2.0, 40.0, 40.0)}]
+    # fractions 0.5, 1.0 and 0.125 (5 GB/s over 40): the median is 0.5
+    assert bl.of_rate_beside(1e9, 10, rounds) == pytest.approx(0.5)
