@@ -497,7 +497,8 @@ def main() -> int:
     imp = {e: med("float32 / F32", e, "rss_import_mib") for e in engines}
     say("  ratio m/l: manyheads over llama.cpp.  peak RSS: the whole process, loading and "
         "both measured runs (taken before the read-rate run below); after load: the peak "
-        "when the model had loaded; at end: resident after the measured runs.  With the library imported, before loading, the interpreter held "
+        "when the model had loaded; at end: resident after the measured runs.  With the "
+        "library imported, before loading, the interpreter held "
         f"{imp['llama.cpp']:.0f} MiB (llama.cpp) and {imp['manyheads']:.0f} MiB (manyheads).  "
         "llama.cpp maps the GGUF file and computes from the mapping; manyheads reads the "
         "safetensors file a slice of rows at a time into the chosen precision (no "
