@@ -256,6 +256,7 @@ def worker(job: dict[str, Any]) -> dict[str, Any]:
                               verbose=False)
         load = time.perf_counter() - t0
         rss_load = peak_rss_mib()
+
         def run() -> list[Any]:
             return list(_greedy_llama(llm, llama_cpp, job["prompt"], new))
         weight_bytes = None
@@ -268,6 +269,7 @@ def worker(job: dict[str, Any]) -> dict[str, Any]:
         model = from_pretrained(job["folder"], weight_dtype=job["weight_dtype"])
         load = time.perf_counter() - t0
         rss_load = peak_rss_mib()
+
         def run() -> list[Any]:
             return list(_greedy_manyheads(model, job["prompt"], new))
         weight_bytes = sum(int(p.nbytes) for p in model.parameters())
@@ -566,9 +568,9 @@ def main() -> int:
         f"measured runs, a third run's decode between two readings of {BESIDE_BYTES >> 20} "
         f"MiB ({args.threads} threads, NumPy's max, best of 3 each), their mean (median "
         "over rounds); of it: that run's weights' read rate over the mean beside it, median "
-        f"over rounds.  bound tok/s and of bound: against {basis}.  This VM's read rate "
-        "moves by 1.5-2x within seconds, so the rate read beside each run is the fairer "
-        "bound; of bound is a lower estimate.")
+        f"over rounds.  bound tok/s and of bound: against {basis}.  A shared machine's read "
+        "rate can move by 1.5-2x within seconds, so the rate read beside each run is the "
+        "fairer bound; of bound is a lower estimate.")
     load_end = load_average()
     say("")
     say(f"(benchmark ran {elapsed:.0f} s, 1-minute load average "
