@@ -125,18 +125,13 @@ def read_rate(buf: np.ndarray, threads: int, repeats: int = 3) -> float:
     """GB/s (1e9 bytes/s) of reading ``buf`` once: ``threads`` threads each take NumPy's
     max of their share (max keeps up with memory where a pairwise sum may not); the best
     of ``repeats`` readings."""
-    import threading
+    from benchmarks.timing import split_reduction
 
-    parts = np.array_split(buf.reshape(-1), threads)
+    read = split_reduction(buf, threads, np.max)
     best = float("inf")
     for _ in range(repeats):
-        workers = [threading.Thread(target=np.max, args=(p,)) for p in parts[1:]]
         t = time.perf_counter()
-        for w in workers:
-            w.start()
-        np.max(parts[0])
-        for w in workers:
-            w.join()
+        read()
         best = min(best, time.perf_counter() - t)
     return buf.nbytes / best / 1e9
 
@@ -280,10 +275,8 @@ def worker(job: dict[str, Any]) -> dict[str, Any]:
               "rss_load_mib": rss_load, "peak_rss_mib": peak_rss_mib(),
               "rss_end_mib": rss_mib()}
     if new > 1:  # after the memory figures: the read-rate buffer is not the engine's
-        runs.append([])
-
         def decode_only() -> float:
-            runs[-1] = run()
+            runs.append(run())
             return float(runs[-1][1])
 
         result["beside"] = read_beside(decode_only, job["threads"])

@@ -12,7 +12,6 @@ import itertools
 import os
 import subprocess
 import sys
-import threading
 import time
 from typing import Any, Callable, Iterator, Sequence
 
@@ -23,7 +22,7 @@ from benchmarks import peers
 from benchmarks.results import (Bandwidth, CacheFormatRow, Checks, DecodeRow,
                                 GroupedQueryDecode, HalfPrefill, ModuleResult, PeakMemory,
                                 PrefillRow, ThreadScaling)
-from benchmarks.timing import compare, median_time
+from benchmarks.timing import compare, median_time, split_reduction
 from manyheads import oracle
 from manyheads.cache import FORMATS
 
@@ -174,19 +173,8 @@ def read_bandwidth(threads: int) -> Bandwidth:
     limited by arithmetic rather than memory, so the faster one is the ceiling.
     """
     a = np.ones(2**28, dtype=np.float32)
-
-    def split(fn: Callable[[np.ndarray], Any]) -> Callable[[], None]:
-        def run() -> None:
-            parts = np.array_split(a, threads)
-            workers = [threading.Thread(target=fn, args=(p,)) for p in parts[1:]]
-            for w in workers:
-                w.start()
-            fn(parts[0])
-            for w in workers:
-                w.join()
-        return run
-
-    res = compare({"sum": split(np.sum), "max": split(np.max)}, rounds=3, per_round=2)
+    res = compare({"sum": split_reduction(a, threads, np.sum),
+                   "max": split_reduction(a, threads, np.max)}, rounds=3, per_round=2)
     return Bandwidth(max_gbs=a.nbytes / res["max"] / 1e9, sum_gbs=a.nbytes / res["sum"] / 1e9)
 
 

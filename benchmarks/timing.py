@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
 import time
 from typing import Any, Callable
 
@@ -60,6 +61,23 @@ def adaptive_compare(fns: dict[str, Callable[[], Any]], seconds: float = 1.5,
     calls = int(min(hi, max(lo, seconds / estimate)))
     rounds = 10
     return compare(fns, rounds=rounds, per_round=max(1, calls // rounds), warmup=2)
+
+
+def split_reduction(a: np.ndarray, threads: int,
+                    fn: Callable[[np.ndarray], Any]) -> Callable[[], None]:
+    """A call that reads ``a`` once on ``threads`` threads: each applies the NumPy
+    reduction ``fn`` to its share (NumPy lets go of the GIL inside it, so the shares are
+    read at once), the calling thread taking the first."""
+    parts = np.array_split(a.reshape(-1), threads)
+
+    def run() -> None:
+        workers = [threading.Thread(target=fn, args=(p,)) for p in parts[1:]]
+        for w in workers:
+            w.start()
+        fn(parts[0])
+        for w in workers:
+            w.join()
+    return run
 
 
 def load_average() -> float | None:
