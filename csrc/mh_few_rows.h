@@ -60,7 +60,7 @@ MH_INLINE FN(kv_rows) FN(kv_in_place)(const mh_attn_args *a, const mh_operand *s
     r.data_bytes = a->kv_format == MH_STORE_I4 ? n / 2 : n * eb;
     r.scale = 0;
     r.scale_bytes = 0;
-    r.to_l2 = a->kv_format != MH_STORE_I8 && a->kv_format != MH_STORE_I4;
+    r.to_l2 = a->kv_format != MH_STORE_I8;
     if (a->kv_format == MH_STORE_I8 || a->kv_format == MH_STORE_I4) {
         const int64_t sb = a->kv_format == MH_STORE_I8 ? 4 : 2; /* float32 / float16 */
         r.scale = (const char *)scale->base + (scale->off[pair] + k0 * scale->row) * sb;
@@ -88,9 +88,15 @@ MH_INLINE FN(kv_rows) FN(kv_in_place)(const mh_attn_args *a, const mh_operand *s
    one process) a float32 call took 1.18-1.23x less time than with the rows
    asked into L1 (1.43x at L=32768, 1.30x warm, 1.43x on one thread),
    float16 1.10-1.17x, bfloat16 1.06x.  int8 and int4 rows, whose reading
-   takes more instructions a byte, keep L1: into L2 they took 0.93-1.07x and
-   0.87-1.0x the time.  Two blocks ahead instead of one was within noise,
-   four or eight slower.  p.data_bytes 0: nothing. */
+   takes more instructions a byte: int8 keeps L1 (into L2 it took 0.93-1.07x
+   the time, and 1.16x in two runs of a later session).  int4 rows go into L2
+   and a block further ahead (MH_AHEAD): with caches stepped in turn (12 heads
+   of 64, L=16384, 256 MiB of caches, medians of 9 rounds alternating in one
+   process) 0.91-0.97x the time on two threads (5 runs) and 0.92-1.0x on one
+   (3 runs); into L2 alone 0.93-1.01x, further ahead into L1 1.02-1.06x.  For
+   the other formats two blocks ahead instead of one was within noise, four
+   or eight slower.  p.data_bytes 0: nothing. */
+#define MH_AHEAD(a) ((a)->kv_format == MH_STORE_I4 ? BK : 0)
 static inline void FN(prefetch_rows)(FN(kv_rows) p, int64_t j, int64_t n)
 {
     if (p.data_bytes && p.row_bytes == p.data_bytes && p.row_bytes < 64) {
@@ -344,9 +350,11 @@ static int FN(few_rows_masked_scores)(const mh_attn_args *a, int64_t pair, int64
     int user_hid = 0;
     if (w->k_in_place) {
         const FN(kv_rows) kr = FN(kv_in_place)(a, &a->k, &a->k_scale, pair, k0);
-        const FN(kv_rows) pf = /* this block's values, for the mix */
-            w->prefetch && w->v_in_place ? FN(kv_in_place)(a, &a->v, &a->v_scale, pair, k0)
-                                         : FN(no_rows);
+        /* this block's values, for the mix (int4: the next block's) */
+        const int64_t pv = k0 + MH_AHEAD(a);
+        const FN(kv_rows) pf = w->prefetch && w->v_in_place && pv + nk <= a->kv_len
+                                   ? FN(kv_in_place)(a, &a->v, &a->v_scale, pair, pv)
+                                   : FN(no_rows);
 #define MH_DOTS(F) FN(few_rows_dots)(w->qt, ep, w->kpack, nq, kr, nk, E / VW, w->st, F, pf)
         switch (a->kv_format) {
         case MH_STORE_F16: MH_DOTS(MH_STORE_F16); break;
@@ -550,8 +558,9 @@ static void FN(few_rows_mix)(const mh_attn_args *a, int64_t pair, int64_t nq, in
                              int64_t nk, int select, FN(work) *w)
 {
     const int64_t evp = w->evp, nvv = (a->v_dim + VW - 1) / VW;
-    FN(kv_rows) pf = w->prefetch && w->k_in_place && k0 + BK + nk <= a->kv_len /* a next block */
-                         ? FN(kv_in_place)(a, &a->k, &a->k_scale, pair, k0 + BK) : FN(no_rows);
+    const int64_t pk = k0 + BK + MH_AHEAD(a); /* a next block's keys (int4: the one after) */
+    FN(kv_rows) pf = w->prefetch && w->k_in_place && pk + nk <= a->kv_len
+                         ? FN(kv_in_place)(a, &a->k, &a->k_scale, pair, pk) : FN(no_rows);
     FN(kv_rows) vr;
     int fmt = MH_NATIVE;
     if (w->v_in_place) {
