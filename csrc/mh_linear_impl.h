@@ -186,10 +186,8 @@ MH_INLINE int FN(i8_pass_x)(const T *x, int n, T *scale, V *xp, int16_t *q)
         if (!(mag <= FLT_MAX)) return 0;
         m = mag > m ? mag : m;
     }
-    *scale = 0;
-    if (m == 0) return 1;
-    if (m < 7.8886090522101181e-31f) return 0; /* 2^-100 */
-    const float inv = 32767.0f / m;
+    if (m != 0 && m < 7.8886090522101181e-31f) return 0; /* 2^-100 */
+    const float inv = m > 0 ? 32767.0f / m : 0.0f; /* (a pass of zeros: q and scale 0) */
     for (int i = 0; i < 8; ++i) q[i] = (int16_t)rintf(v[i] * inv); /* |q| <= 32767 */
     *scale = (T)(m / 32767.0f);
 #if MH_HAS_I8_PAIRS

@@ -287,7 +287,7 @@ MH_INLINE void FN(mix_rows)(const mh_attn_args *a, int64_t q0, int64_t nq, int64
                             FN(work) *w, const int NV, const int DP)
 {
     const int64_t evp = w->evp;
-    int64_t i = 0, j[4];
+    int64_t i = 0, j[4] = {0, 0, 0, 0}; /* (unread when no row is left) */
     /* (DP: v holds 32-bit words, as many per pair of keys as T per key otherwise) */
     v += c * VW;
     for (; i + IR <= nq; i += IR) {

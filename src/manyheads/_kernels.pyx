@@ -1095,7 +1095,7 @@ def attend_plain(object query, object key, object value, object scale, bint caus
     cdef cnp.npy_intp *vd
     cdef cnp.npy_intp dims[32]
     cdef int64_t pairs = 1
-    cdef double s
+    cdef double s = 0  # (_plain_scale sets it)
     cdef int threads = _call_threads(num_threads)
     if threads == 0 or type(query) is not cnp.ndarray or type(key) is not cnp.ndarray or \
             type(value) is not cnp.ndarray:
@@ -1175,7 +1175,7 @@ def attend_heads(object query, object key, object value, object out, int fmt, ob
     cdef int64_t B, Hq, Hkv, G, L, S, E, Ev
     cdef int itemsize = 4 if fmt == MH_STORE_F32 else 2
     cdef AttentionCall call
-    cdef double s
+    cdef double s = 0  # (_plain_scale sets it)
     if (fmt != MH_STORE_F32 and fmt != MH_STORE_F16 and fmt != MH_STORE_BF16) or \
             type(query) is not cnp.ndarray or type(key) is not cnp.ndarray or \
             type(value) is not cnp.ndarray or type(out) is not cnp.ndarray:
@@ -1456,9 +1456,10 @@ cdef long _run_phases(const Phase *ph, int n_phases, int nt, char *scratch, size
     how often thread 0 waited more than a millisecond at a barrier (the others' waits
     are not counted: they wait for thread 0's serial phases by design)."""
     cdef mh_team_barrier_t meeting
-    cdef int i, tid, team
-    cdef int64_t it, share
-    cdef long y
+    # (set before the parallel block, which copies them into each thread)
+    cdef int i = 0, tid = 0, team = 0
+    cdef int64_t it = 0, share = 0
+    cdef long y = 0
     cdef long yields = 0
     cdef long *yields_ptr = &yields
     meeting.count = 0
