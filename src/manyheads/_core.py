@@ -300,8 +300,8 @@ def attention(
     if k_scale is not None and v_scale is not None:  # int4: float16 pairs, read as bits
         kvs += tuple(kernel_ready(a.view(np.uint16) if a.dtype == np.float16 else a)
                      for a in (k_scale, v_scale))
-    common = not enable_gqa and len(kvs) == 2 and \
-        q.shape[:-2] == kvs[0].shape[:-2] == kvs[1].shape[:-2]
+    common = not enable_gqa and q.shape[:-2] == kvs[0].shape[:-2] == kvs[1].shape[:-2] and \
+        (len(kvs) == 2 or q.shape[:-2] == kvs[2].shape[:-2] == kvs[3].shape[:-2])
     heads_batch = q.shape[:-2] if common else _heads_batch(q, kvs, enable_gqa)
     call = _kernels.AttentionCall(
         q_fmt.bits == 64, (math.prod(heads_batch), L, S, E, Ev),

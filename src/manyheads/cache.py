@@ -392,20 +392,28 @@ class KVCache:
         if self._any_padding or k_new.shape[2] != 1:
             return False
         with _Held(self):  # (the module has checked the room: check_compatible)
-            slot, n, offset, window = self._decode_slot()
-            self._store(slice(None), slice(slot, slot + 1), k_new, v_new)
-            st = self._stored(slice(None), slice(0, n))
-            if not _core.attend_decode(q, st.k, st.v, st.k_scale, st.v_scale, scale=scale,
-                                       causal_offset=offset, window=window, softcap=softcap,
-                                       num_threads=num_threads, out=out):
-                _core.attention(q, st.k, st.v, k_scale=st.k_scale, v_scale=st.v_scale,
-                                causal_offset=offset, window=window, scale=scale,
-                                num_threads=num_threads, out=out,
-                                enable_gqa=q.shape[1] != st.k.shape[1],
-                                features=None if softcap is None
-                                else (softcap, None, None, False))
+            self._decode_into(q, k_new, v_new, scale=scale, softcap=softcap,
+                              num_threads=num_threads, out=out)
             self._len += 1
         return True
+
+    def _decode_into(self, q: np.ndarray, k_new: np.ndarray, v_new: np.ndarray, *,
+                     scale: float, softcap: float | None, num_threads: int,
+                     out: np.ndarray) -> None:
+        """The body of :meth:`_decode_attend`, the cache held and without padding: store
+        one token's keys and values, write its queries' attention into ``out``; the
+        length is the caller's to advance."""
+        slot, n, offset, window = self._decode_slot()
+        self._store(slice(None), slice(slot, slot + 1), k_new, v_new)
+        st = self._stored(slice(None), slice(0, n))
+        if not _core.attend_decode(q, st.k, st.v, st.k_scale, st.v_scale, scale=scale,
+                                   causal_offset=offset, window=window, softcap=softcap,
+                                   num_threads=num_threads, out=out):
+            _core.attention(q, st.k, st.v, k_scale=st.k_scale, v_scale=st.v_scale,
+                            causal_offset=offset, window=window, scale=scale,
+                            num_threads=num_threads, out=out,
+                            enable_gqa=q.shape[1] != st.k.shape[1],
+                            features=None if softcap is None else (softcap, None, None, False))
 
     def _decode_slot(self) -> tuple[int, int, int | None, int | None]:
         """Where one more token goes and what it attends: (its slot, the slots attended
@@ -446,6 +454,9 @@ class _Held:
         self.cache._busy.release()
 
 
+_ALL_HEADS = slice(None)
+
+
 class CacheStep:
     """One open step of a :class:`~manyheads.KVCache` (see :meth:`manyheads.KVCache.step`)."""
 
@@ -482,6 +493,14 @@ class CacheStep:
         """
         c, pad_new = self.cache, self.pad_new
         T = k_new.shape[2]
+        if T == 1 and pad_new is None and not c._any_padding and out is not None and \
+                not return_weights and dropout_p == 0 and heads == _ALL_HEADS and \
+                (features is None or (features[1] is None and features[2] is None
+                                      and not features[3])):
+            # a fused module's decoding step: the lean one of KVCache.attend (the same bits)
+            c._decode_into(q, k_new, v_new, scale=scale, softcap=None if features is None
+                           else features[0], num_threads=num_threads, out=out)
+            return out
         past, cap = c._len, c.capacity
         kw: dict[str, Any] = dict(scale=scale, num_threads=num_threads, out=out,
                                   return_weights=return_weights, dropout_p=dropout_p, seed=seed,
