@@ -169,6 +169,8 @@ def test_the_quantiser_stores_the_reference_bits(rng, fmt):
     x[0, 0, 0] = 0                                   # zero scale
     x[0, 0, 1, :32] = 1.5                            # zero step (int4), one value
     x[0, 0, 2] = np.round(x[0, 0, 2] * 4) / 4        # ties in rint
+    x[1, 1, 0] = np.r_[127.0, np.arange(63) - 31.5]  # int8: scale 1, halves of both signs
+    x[1, 1, 1] = np.tile(np.r_[0.0, 15.0, np.arange(30) % 15 + 0.5], 2)  # int4: step 1
     x[0, 1, 0, 5] = np.nan
     x[0, 1, 1, 40] = np.inf
     x[0, 1, 2, 7] = -np.inf
