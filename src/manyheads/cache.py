@@ -310,18 +310,11 @@ class KVCache:
             raise ValueError(f"cache is full: {self._len} tokens + {T} new > "
                              f"max_len={self.max_len}")
         scale_ = 1.0 / math.sqrt(D) if s is None else s
-        if T == 1 and pad is None and not rw and (features is None or (
-                features[1] is None and features[2] is None and not features[3])):
-            # one token, no padding, no weights and no score feature but a soft cap: the
-            # modules' lean decoding step (the same bits, less layout work per call);
-            # False with nothing changed when the cache holds padding
-            out = np.empty(q.shape, q.dtype)
-            if self._decode_attend(q, k, v, scale=scale_, softcap=None if features is None
-                                   else features[0], num_threads=nt, out=out):
-                return out
+        # (an output to write into: a one-token step may then take the lean decoding step)
+        out = np.empty(q.shape, q.dtype) if T == 1 else None
         with self.step(T, pad) as step:
             return step.attend(q, k, v, scale=scale_, num_threads=nt, return_weights=rw,
-                               features=features)
+                               features=features, out=out)
 
     # -- storage -------------------------------------------------------------------------
     def _converted(self, k: np.ndarray, v: np.ndarray
@@ -497,7 +490,9 @@ class CacheStep:
                 not return_weights and dropout_p == 0 and heads == _ALL_HEADS and \
                 (features is None or (features[1] is None and features[2] is None
                                       and not features[3])):
-            # a fused module's decoding step: the lean one of KVCache.attend (the same bits)
+            # one token, no padding, no weights and no score feature but a soft cap (a
+            # fused module's or KVCache.attend's decoding step): the lean step, the same
+            # bits with less layout work per call
             c._decode_into(q, k_new, v_new, scale=scale, softcap=None if features is None
                            else features[0], num_threads=num_threads, out=out)
             return out
