@@ -411,6 +411,16 @@ def test_a_cache_allocates_what_the_storage_table_says(name):
         assert cache.key_scales.shape[-1] == fmt.scale_columns(32)
     else:
         assert cache.key_scales is None
+    # the arrays (one buffer among them) are zeros, each on a cache line of its own
+    # bytes and apart from the others
+    # (a copy's too, and none with the original's)
+    twin = cache.copy()
+    arrays = [a for c in (cache, twin)
+              for a in (c.keys, c.values, c.key_scales, c.value_scales) if a is not None]
+    assert len(arrays) == (8 if fmt.quantized else 4)
+    for i, a in enumerate(arrays):
+        assert a.flags.c_contiguous and a.ctypes.data % 64 == 0 and not a.view(np.uint8).any()
+        assert not any(np.shares_memory(a, b) for b in arrays[i + 1:])
     # a row of 32 channels: the elements, and for int8 one float32 scale, for int4 one
     # (scale, min) pair of float16 per 32 channels
     assert fmt.row_bytes(32) == {"float32": 128, "float16": 64, "bfloat16": 64, "int8": 36,

