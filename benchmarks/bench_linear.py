@@ -6,7 +6,11 @@ the weights stream from memory. The read rate is a plain streaming sum of a 512 
 float32 buffer on manyheads' own threads (``_kernels.read_sum``: items of 1 MiB, each
 read as four runs side by side, the way the product reads eight rows of a weight). Each
 product's weights are cold as in a deep model: enough copies of them (at least 256 MiB)
-are cycled through that none is in the last-level cache when it is read again. NumPy's
+are cycled through that none is in the last-level cache when it is read again. Each
+format's copies are held two ways: apart (an array each, as a user's own arrays are) and
+packed in a ``WeightArena`` (as ``manyheads.models`` holds a checkpoint's weights, on huge
+pages where the system grants them; a weight above a quarter of the arena's block keeps
+an array of its own, so the head's two placements are alike). NumPy's
 rounds come after manyheads' (OpenBLAS's threads spin after a call and would slow
 manyheads' threads if the two alternated). Shapes are SmolLM2-135M's: the fused gate and
 up projection (576 x 3072), the down projection (1536 x 576) and the output head (576 x
@@ -34,7 +38,8 @@ import numpy as np  # noqa: E402
 
 import manyheads as mh  # noqa: E402
 from manyheads import _core, _kernels  # noqa: E402
-from manyheads.weights import WEIGHT_DTYPES, convert_weight  # noqa: E402
+from manyheads.weights import (WEIGHT_DTYPES, WeightArena, convert_weight,  # noqa: E402
+                               join_columns)
 
 SHAPES = {"gate+up 576x3072": (576, 3072), "down 1536x576": (1536, 576),
           "head 576x49152": (576, 49152)}
@@ -61,11 +66,14 @@ def main() -> int:
             copies = [one] + [convert_weight(base + np.float32(i), "float32" if fmt == "numpy"
                                              else fmt)
                               for i in range(1, -(-COLD_BYTES // one.nbytes))]
-            cases[(label, fmt)] = copies
+            cases[(label, fmt, "apart")] = copies
+            if fmt != "numpy":
+                arena = WeightArena()
+                cases[(label, fmt, "arena")] = [join_columns([w], arena) for w in copies]
     x = {k: rng.standard_normal((1, k), dtype=np.float32) for k, _ in SHAPES.values()}
 
-    def run(label: str, fmt: str) -> float:
-        ws = cases[(label, fmt)]
+    def run(label: str, fmt: str, place: str) -> float:
+        ws = cases[(label, fmt, place)]
         xs = x[ws[0].shape[0]]
         t = time.perf_counter()
         for w in ws:
@@ -107,17 +115,17 @@ def main() -> int:
              f"{read_rate:.1f} GB/s; beside manyheads' rounds (mean of the reads before and "
              "after each) " + ", ".join(f"{b:.1f}" for b in beside),
              "",
-             f"{'one-row product':<20}{'weights':<10}{'MiB':>8}{'us':>10}{'GB/s':>8}"
-             f"{'of beside':>11}{'of best':>9}"]
-    for (label, fmt), ts in times.items():
-        w = cases[(label, fmt)][0]
+             f"{'one-row product':<20}{'weights':<10}{'held':<7}{'MiB':>8}{'us':>10}"
+             f"{'GB/s':>8}{'of beside':>11}{'of best':>9}"]
+    for (label, fmt, place), ts in times.items():
+        w = cases[(label, fmt, place)][0]
         sec = float(np.median(ts))
         rate = w.nbytes / sec / 1e9
-        name = "NumPy x @ W f32" if fmt == "numpy" else fmt
+        name = "NumPy f32" if fmt == "numpy" else fmt
         # NumPy's rounds come after ours: no read beside them
         of_beside = (f"{np.median([w.nbytes / t / 1e9 / b for t, b in zip(ts, beside)]):11.0%}"
                      if fmt != "numpy" else f"{'':11}")
-        lines.append(f"{label:<20}{name:<10}{w.nbytes / 2**20:8.1f}{sec * 1e6:10.0f}"
+        lines.append(f"{label:<20}{name:<10}{place:<7}{w.nbytes / 2**20:8.1f}{sec * 1e6:10.0f}"
                      f"{rate:8.1f}{of_beside}{rate / read_rate:9.0%}")
     text = "\n".join(lines)
     print(text)
