@@ -86,16 +86,17 @@ def test_one_token_steps_take_the_lean_path_with_the_general_paths_bits(rng, mon
     assert taken == [True] * 8
 
 
-@pytest.mark.parametrize("fmt, window, kv_heads, softcap",
-                         [(np.float32, None, 6, None), (np.float32, 6, 2, 5.0),
-                          (np.float16, None, 2, None), ("int8", 6, 6, None),
-                          ("int4", None, 2, 5.0)])
-def test_a_fused_modules_one_token_steps_take_the_lean_path_with_the_general_bits(
-        rng, monkeypatch, fmt, window, kv_heads, softcap):
-    """A fused module's one-token step with a cache, without padding, weights or dropout,
-    stores and attends through the cache's lean decoding step: the same bits as the
-    general step (reached with an all-False padding mask), grouped heads, a soft cap and
-    a wrapped ring included."""
+@pytest.mark.parametrize("stacked, fmt, window, kv_heads, softcap",
+                         [(False, np.float32, None, 6, None), (False, np.float32, 6, 2, 5.0),
+                          (False, np.float16, None, 2, None), (False, "int8", 6, 6, None),
+                          (False, "int4", None, 2, 5.0), (True, np.float32, 6, 6, 5.0),
+                          (True, "int4", None, 6, None)])
+def test_a_modules_one_token_steps_take_the_lean_path_with_the_general_bits(
+        rng, monkeypatch, stacked, fmt, window, kv_heads, softcap):
+    """A module's one-token step with a cache, without padding, weights or dropout,
+    stores and attends through the cache's lean decoding step (a stack of heads: head
+    by head): the same bits as the general step (reached with an all-False padding
+    mask), grouped heads, a soft cap and a wrapped ring included."""
     taken = []
     into = mh.KVCache._decode_into
 
@@ -104,8 +105,12 @@ def test_a_fused_modules_one_token_steps_take_the_lean_path_with_the_general_bit
         return into(self, *args, **kw)
 
     monkeypatch.setattr(mh.KVCache, "_decode_into", spy)
-    m = mh.MultiHeadAttention(16, 6 * 32, 24, 0.0, 6, num_kv_heads=kv_heads, window=window,
-                              softcap=softcap, seed=3)
+    if stacked:
+        m = mh.StackedMultiHeadAttention(16, 6 * 32, 24, 0.0, 6, window=window,
+                                         softcap=softcap, seed=3)
+    else:
+        m = mh.MultiHeadAttention(16, 6 * 32, 24, 0.0, 6, num_kv_heads=kv_heads,
+                                  window=window, softcap=softcap, seed=3)
     lean = m.new_cache(2, 24, dtype=fmt)
     x = normal(rng, (2, 5, 16), np.float32)
     m(x, cache=lean)
@@ -117,4 +122,5 @@ def test_a_fused_modules_one_token_steps_take_the_lean_path_with_the_general_bit
         np.testing.assert_array_equal(got, want)
         assert len(lean) == len(general) == 6 + step
     np.testing.assert_array_equal(lean.keys, general.keys)
-    assert taken == list(range(5, 13))  # each one-token step, none of the others
+    # each one-token step (a stack's once a head), none of the others
+    assert taken == [n for n in range(5, 13) for _ in range(6 if stacked else 1)]

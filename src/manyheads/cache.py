@@ -339,11 +339,9 @@ class KVCache:
             raise ValueError(f"cache is full: {self._len} tokens + {T} new > "
                              f"max_len={self.max_len}")
         scale_ = 1.0 / math.sqrt(D) if s is None else s
-        # (an output to write into: a one-token step may then take the lean decoding step)
-        out = np.empty(q.shape, q.dtype) if T == 1 else None
         with self.step(T, pad) as step:
             return step.attend(q, k, v, scale=scale_, num_threads=nt, return_weights=rw,
-                               features=features, out=out)
+                               features=features)
 
     # -- storage -------------------------------------------------------------------------
     def _converted(self, k: np.ndarray, v: np.ndarray
@@ -419,15 +417,15 @@ class KVCache:
             self._len += 1
         return True
 
-    def _decode_into(self, q: np.ndarray, k_new: np.ndarray, v_new: np.ndarray, *,
-                     scale: float, softcap: float | None, num_threads: int,
-                     out: np.ndarray) -> None:
+    def _decode_into(self, q: np.ndarray, k_new: np.ndarray, v_new: np.ndarray,
+                     heads: slice = slice(None), *, scale: float, softcap: float | None,
+                     num_threads: int, out: np.ndarray) -> None:
         """The body of :meth:`_decode_attend`, the cache held and without padding: store
-        one token's keys and values, write its queries' attention into ``out``; the
-        length is the caller's to advance."""
+        one token's keys and values of kv heads ``heads``, write its queries' attention
+        into ``out``; the length is the caller's to advance."""
         slot, n, offset, window = self._decode_slot()
-        self._store(slice(None), slice(slot, slot + 1), k_new, v_new)
-        st = self._stored(slice(None), slice(0, n))
+        self._store(heads, slice(slot, slot + 1), k_new, v_new)
+        st = self._stored(heads, slice(0, n))
         if not _core.attend_decode(q, st.k, st.v, st.k_scale, st.v_scale, scale=scale,
                                    causal_offset=offset, window=window, softcap=softcap,
                                    num_threads=num_threads, out=out):
@@ -476,9 +474,6 @@ class _Held:
         self.cache._busy.release()
 
 
-_ALL_HEADS = slice(None)
-
-
 class CacheStep:
     """One open step of a :class:`~manyheads.KVCache` (see :meth:`manyheads.KVCache.step`)."""
 
@@ -515,15 +510,18 @@ class CacheStep:
         """
         c, pad_new = self.cache, self.pad_new
         T = k_new.shape[2]
-        if T == 1 and pad_new is None and not c._any_padding and out is not None and \
-                not return_weights and dropout_p == 0 and heads == _ALL_HEADS and \
-                (features is None or (features[1] is None and features[2] is None
-                                      and not features[3])):
+        if T == 1 and pad_new is None and not c._any_padding and not return_weights and \
+                dropout_p == 0 and (features is None or (features[1] is None and
+                                                         features[2] is None and
+                                                         not features[3])):
             # one token, no padding, no weights and no score feature but a soft cap (a
-            # fused module's or KVCache.attend's decoding step): the lean step, the same
-            # bits with less layout work per call
-            c._decode_into(q, k_new, v_new, scale=scale, softcap=None if features is None
-                           else features[0], num_threads=num_threads, out=out)
+            # module's or KVCache.attend's decoding step; a stack's, one head at a time):
+            # the lean step, the same bits with less layout work per call
+            if out is None:
+                out = np.empty(q.shape, q.dtype)
+            c._decode_into(q, k_new, v_new, heads, scale=scale, softcap=None
+                           if features is None else features[0], num_threads=num_threads,
+                           out=out)
             return out
         past, cap = c._len, c.capacity
         kw: dict[str, Any] = dict(scale=scale, num_threads=num_threads, out=out,
