@@ -227,3 +227,11 @@ def test_linear_plans_column_blocks_for_a_few_rows_and_blas_tiles_for_more():
     assert _kernels.explain_linear(1, 576, 6000, 2, grouped=True)["tile"][1] < 6000
     many = _kernels.explain_linear(513, 200, 700, 2)
     assert many["path"] == "BLAS tiles" and many["tile"][0] == 256
+    # few tiles come in an even count (an odd one leaves a thread idle at the end) ...
+    few_tiles = _kernels.explain_linear(128, 576, 576, 2)
+    assert few_tiles["work_items"] == 4 and few_tiles["tile"] == (128, 144)
+    # ... and widened weights in equal stripes, an even number, where n has one
+    for fmt in ("bfloat16", "int8"):
+        st = _kernels.explain_linear(128, 576, 576, 2, weight_format=fmt)
+        assert st["path"] == "widened stripes" and st["tile"] == (128, 96)
+        assert st["work_items"] == 6
