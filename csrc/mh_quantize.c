@@ -43,26 +43,73 @@ void mh_quantize_i8(const float *x, int64_t rows, int64_t n, int8_t *q, float *s
     }
 }
 
-void mh_quantize_i4(const float *x, int64_t rows, int64_t n, uint8_t *q, uint16_t *pairs)
+/* The float16 nearest x from below (x itself when float16 holds it; -inf below
+   -65504) and from above (+inf above 65504). */
+static uint16_t mh_half_down(float x)
 {
+    const uint16_t h = mh_float_to_half(x);
+    if (!(mh_half_to_float(h) > x)) return h;
+    return h & 0x8000 ? (uint16_t)(h + 1) : h ? (uint16_t)(h - 1) : (uint16_t)0x8001;
+}
+
+static uint16_t mh_half_up(float x)
+{
+    const uint16_t h = mh_float_to_half(x);
+    if (!(mh_half_to_float(h) < x)) return h;
+    return h & 0x8000 ? (h == 0x8000 ? (uint16_t)0x0001 : (uint16_t)(h - 1)) : (uint16_t)(h + 1);
+}
+
+/* A group's (step, minimum) as stored, float16 bits: the minimum rounded down and
+   the step (max - that minimum) / 15 rounded up, so that the codes reach every
+   value of the group, and the codes are worked out from the pair as stored (codes
+   from the unrounded pair lost rows whose step rounded to 0 or a subnormal, and
+   groups far from 0 whose minimum's rounding outweighed their range).  A group
+   holding NaN or inf: NaN, NaN.  -0 taken as +0 (one pair for any order of the
+   group's zeros).  Returns whether a group of finite values has a pair beyond
+   float16's range (then inf in it). */
+static int mh_i4_pair(const float *x, uint16_t *step16, uint16_t *lo16)
+{
+    float lo = INFINITY, hi = -INFINITY;
+    int nan = 0;
+    for (int c = 0; c < MH_I4_GROUP; ++c) {
+        if (x[c] != x[c]) nan = 1;
+        lo = x[c] < lo ? x[c] : lo;
+        hi = x[c] > hi ? x[c] : hi;
+    }
+    if (nan || !isfinite(lo) || !isfinite(hi)) {
+        *step16 = *lo16 = mh_float_to_half(NAN);
+        return 0;
+    }
+    *lo16 = mh_half_down(lo + 0.0f);
+    *step16 = mh_half_up((hi + 0.0f - mh_half_to_float(*lo16)) / 15.0f);
+    return !isfinite(mh_half_to_float(*lo16)) || !isfinite(mh_half_to_float(*step16));
+}
+
+int64_t mh_quantize_i4(const float *x, int64_t rows, int64_t n, uint8_t *q, uint16_t *pairs)
+{
+    int64_t over = 0;
     for (int64_t r = 0; r < rows; ++r) {
         for (int64_t g = 0; g < n / MH_I4_GROUP; ++g, x += MH_I4_GROUP, q += MH_I4_GROUP / 2) {
-            float lo = INFINITY, hi = -INFINITY;
-            int nan = 0;
-            for (int c = 0; c < MH_I4_GROUP; ++c) {
-                if (x[c] != x[c]) nan = 1;
-                lo = x[c] < lo ? x[c] : lo;
-                hi = x[c] > hi ? x[c] : hi;
-            }
-            if (nan) lo = hi = NAN;
-            const float step = (hi - lo) / 15.0f;
+            uint16_t step16, lo16;
+            over += mh_i4_pair(x, &step16, &lo16);
+            const float step = mh_half_to_float(step16), lo = mh_half_to_float(lo16);
             const float safe = step > 0.0f ? step : 1.0f;
             for (int c = 0; c < MH_I4_GROUP; c += 2)
                 q[c / 2] = (uint8_t)(mh_round_clamp((x[c] - lo) / safe, 0.0f, 15.0f) |
                                      mh_round_clamp((x[c + 1] - lo) / safe, 0.0f, 15.0f) << 4);
-            const int bad = !isfinite(step) || !isfinite(lo);
-            *pairs++ = mh_float_to_half(bad ? NAN : step);
-            *pairs++ = mh_float_to_half(bad ? NAN : lo);
+            *pairs++ = step16;
+            *pairs++ = lo16;
         }
     }
+    return over;
+}
+
+int64_t mh_i4_overflows(const float *x, int64_t rows, int64_t n)
+{
+    int64_t over = 0;
+    uint16_t step16, lo16;
+    for (int64_t r = 0; r < rows; ++r)
+        for (int64_t g = 0; g < n / MH_I4_GROUP; ++g, x += MH_I4_GROUP)
+            over += mh_i4_pair(x, &step16, &lo16);
+    return over;
 }

@@ -151,16 +151,30 @@ def reference_quantize(x, fmt):
             q = np.clip(np.rint(x / safe), -127, 127)
             q = np.where(np.isfinite(q), q, 0).astype(np.int8)
             return q, np.where(np.isfinite(scale), scale, np.float32(np.nan)).astype(np.float32)
+        # per group of 32: the minimum rounded down to float16 (-0 as +0), the step
+        # (max - that minimum) / 15 rounded up to float16, the codes from that pair
         groups = x.reshape(x.shape[:-1] + (x.shape[-1] // 32, 32))
-        lo = groups.min(axis=-1)
-        step = (groups.max(axis=-1) - lo) / np.float32(15)
-        safe = np.where(step > 0, step, np.float32(1))
-        q = np.clip(np.rint((groups - lo[..., None]) / safe[..., None]), 0, 15)
+        lo, hi = (a + np.float32(0) for a in (groups.min(axis=-1), groups.max(axis=-1)))
+        bad = ~np.isfinite(lo) | ~np.isfinite(hi)   # (NaN or inf in the group)
+        lo16 = half_rounded(lo, down=True)
+        step16 = half_rounded((hi - lo16.astype(np.float32)) / np.float32(15), down=False)
+        lo16, step16 = (np.where(bad, np.float16(np.nan), a) for a in (lo16, step16))
+        lo_f, step_f = lo16.astype(np.float32), step16.astype(np.float32)
+        safe = np.where(step_f > 0, step_f, np.float32(1))
+        q = np.clip(np.rint((groups - lo_f[..., None]) / safe[..., None]), 0, 15)
         q = np.where(np.isfinite(q), q, 0).astype(np.uint8).reshape(x.shape)
-        bad = ~np.isfinite(step) | ~np.isfinite(lo)
-        scales = np.stack([np.where(bad, np.nan, step), np.where(bad, np.nan, lo)], axis=-1)
+        scales = np.stack([step16, lo16], axis=-1)
         return (q[..., 0::2] | (q[..., 1::2] << 4)).astype(np.uint8), \
-            scales.reshape(x.shape[:-1] + (-1,)).astype(np.float16)
+            scales.reshape(x.shape[:-1] + (-1,))
+
+
+def half_rounded(x, down):
+    """float32 x as the float16 nearest from below (``down``) or above (beyond float16's
+    range: -inf below -65504, 65504 above it going down, inf above it going up)."""
+    h = x.astype(np.float16)
+    toward = np.float16(-np.inf if down else np.inf)
+    past = h.astype(np.float32) > x if down else h.astype(np.float32) < x
+    return np.where(past, np.nextafter(h, toward), h)
 
 
 @pytest.mark.parametrize("fmt", ["int8", "int4"])
@@ -175,6 +189,13 @@ def test_the_quantiser_stores_the_reference_bits(rng, fmt):
     x[0, 1, 1, 40] = np.inf
     x[0, 1, 2, 7] = -np.inf
     x[1, 0, 0] = 6e4 * np.sign(x[1, 0, 0])           # a float16 step past its range
+    x[2, 0, 0] *= 1e-7                               # int4: a subnormal float16 step
+    x[2, 0, 1] = 1000 + x[2, 0, 1] * 1e-3            # far from 0 for its range
+    x[2, 0, 2] = 1e5 + x[2, 0, 2] * 1e3              # a minimum past 65504 ...
+    x[2, 0, 3] = -7e4 + x[2, 0, 3]                   # ... and below -65504 (inf)
+    x[2, 0, 4, :32] = 0.0                            # zeros of both signs
+    x[2, 0, 4, 0] = -0.0
+    x[2, 0, 5] *= 1e-40                              # float32 subnormals
     got, want = quantize(x, fmt), reference_quantize(x, fmt)
     assert got[0].dtype == want[0].dtype and got[1].dtype == want[1].dtype
     np.testing.assert_array_equal(got[0], want[0])
@@ -427,23 +448,48 @@ def test_a_cache_allocates_what_the_storage_table_says(name):
                                  "int4": 20}[name]
 
 
+def test_int4_values_come_back_within_half_a_stored_step(rng):
+    """Each int4 code is worked out from the group's (step, minimum) pair as stored in
+    float16, so every finite value comes back within half that step (and float32's
+    rounding), whatever the group's magnitude: a step that float16 holds only as a
+    subnormal, a group far from 0 for its range, a minimum past 65504."""
+    base = normal(rng, (40, 6, 64))
+    for scale in (1e-9, 1e-7, 1e-5, 1.0, 1e3):
+        for x in (base * scale, 10 * scale + base * scale * 1e-3, 7e4 + base * 100):
+            x = x.astype(np.float32)
+            q, pairs = quantize(x, "int4")
+            back = dequantize(q, pairs, "int4").astype(np.float64)
+            step = np.repeat(pairs[..., 0::2].astype(np.float64), 32, axis=-1)
+            slack = 4 * np.finfo(np.float32).eps * np.abs(x).max()
+            assert np.all(np.abs(back - x) <= step / 2 * (1 + 1e-6) + slack)
+
+
+@pytest.mark.parametrize("fmt", ["float16", "int4"])
 @pytest.mark.parametrize("window", [None, 4])
-def test_a_float16_cache_refuses_finite_values_beyond_its_range(rng, window):
-    """A finite key or value past 65504 would be stored as inf and turn every score (or
-    the output) into NaN: a ValueError naming it, before anything is stored; inf given as
-    such is stored as it is, as the other formats take it."""
-    cache = mh.KVCache(1, 16, 2, 32, np.float16, window=window)
+def test_a_half_or_int4_cache_refuses_finite_values_beyond_its_range(rng, window, fmt):
+    """A finite key or value past float16's 65504 (int4: a group whose float16 minimum
+    or step would be) would be stored as inf and turn every score (or the output) into
+    NaN: a ValueError naming it, before anything is stored; inf given as such is stored
+    as it is, as the other formats take it."""
+    cache = mh.KVCache(1, 16, 2, 32, np.float16 if fmt == "float16" else fmt, window=window)
     x = normal(rng, (1, 2, 6, 32), np.float32)
     cache.attend(x, x, x)                          # (past the window: the ring's path)
     before = cache.keys.copy()
-    for name, big in (("key", 7e4), ("value", -1e6)):
+    # (int4: a minimum below -65504, a step (max - min) / 15 above it; 7e4 alone fits)
+    bigs = (("key", 7e4), ("value", -1e6)) if fmt == "float16" else \
+        (("key", -7e4), ("value", 1e6), ("key", 9.9e5))
+    for name, big in bigs:
         k, v = (normal(rng, (1, 2, 3, 32), np.float32) for _ in range(2))
         (k if name == "key" else v)[0, 1, 2, 5] = big
-        with pytest.raises(ValueError, match=re.escape(f"new {name} has magnitude {abs(big):g}")):
+        said = f"new {name} has magnitude {abs(big):g}" if fmt == "float16" else \
+            f"new {name} has a group from"
+        with pytest.raises(ValueError, match=re.escape(said)):
             cache.attend(k, k, v)
         assert len(cache) == 6 and np.array_equal(cache.keys, before)
     k = normal(rng, (1, 2, 1, 32), np.float32)
+    k[0, 0, 0, 7] = 7e4 if fmt == "int4" else 6e4  # (the largest value either holds)
     v = k.copy()
     v[0, 0, 0, 3] = np.inf
     out = cache.attend(k, k, v)
-    assert len(cache) == 7 and np.isinf(out[0, 0, 0, 3]) and np.isfinite(out[0, 1]).all()
+    # (int4: the group holding inf comes back as NaN)
+    assert len(cache) == 7 and not np.isfinite(out[0, 0, 0, 3]) and np.isfinite(out[0, 1]).all()

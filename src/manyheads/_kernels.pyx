@@ -1440,6 +1440,10 @@ cdef void _st_qkv(LayerStep *s) noexcept nogil:
         for b in range(s.B):  # the keys and values of every row, before any is stored
             if _half_overflows(s.qkv + b * s.n_qkv + s.H * s.D, 2 * s.Hkv * s.D):
                 s.overflow[0] = 1
+    if s.kv_fmt == MH_STORE_I4 and not s.overflow[0]:
+        for b in range(s.B):  # (a group's float16 step or minimum would be inf)
+            if mh_i4_overflows(s.qkv + b * s.n_qkv + s.H * s.D, 2 * s.Hkv, s.D):
+                s.overflow[0] = 1
     if s.overflow[0]:  # this layer and those after it store nothing: the run is void
         return
     for b in range(s.B):

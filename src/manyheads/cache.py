@@ -348,9 +348,26 @@ class KVCache:
                    ) -> tuple[tuple[np.ndarray, np.ndarray | None], ...]:
         """(stored, scales) of new keys and values in the cache's format (``quantize``);
         ValueError, before anything is stored, where a finite value is beyond float16's
-        range (it would be stored as inf, and every score against it would be NaN)."""
+        range (float16), or a group's float16 (step, minimum) pair would be (int4): it
+        would be stored as inf, and every score against it would be NaN."""
         if k.dtype == self.keys.dtype:  # float32/float64 caches: no conversion
             return (k, None), (v, None)
+        if self.format == "int4":
+            stored = quantize(k, "int4"), quantize(v, "int4")
+            for name, x, (_, pairs) in zip(("key", "value"), (k, v), stored):
+                assert pairs is not None
+                if np.isinf(pairs).any():  # (a group holding NaN or inf has NaN pairs)
+                    g = x.reshape(x.shape[:-1] + (-1, I4_GROUP))
+                    finite = np.isfinite(g).all(axis=-1)
+                    lo, hi = g.min(axis=-1)[finite], g.max(axis=-1)[finite]
+                    worst = int(np.argmax(np.maximum(-lo / 65504, (hi - lo) / (15 * 65504))))
+                    raise ValueError(
+                        f"an int4 cache stores each group of {I4_GROUP} channels as a float16 "
+                        f"minimum and step (largest - minimum) / 15, so a group's minimum must "
+                        f"be at least -65504 and its range within about 15 x 65504; a new "
+                        f"{name} has a group from {float(lo[worst]):.6g} to "
+                        f"{float(hi[worst]):.6g}; use an int8, bfloat16 or float32 cache")
+            return stored
         if self.format != "float16":
             return quantize(k, self.format), quantize(v, self.format)
         try:
