@@ -475,14 +475,19 @@ def test_a_half_or_int4_cache_refuses_finite_values_beyond_its_range(rng, window
     x = normal(rng, (1, 2, 6, 32), np.float32)
     cache.attend(x, x, x)                          # (past the window: the ring's path)
     before = cache.keys.copy()
-    # (int4: a minimum below -65504, a step (max - min) / 15 above it; 7e4 alone fits)
+    # (int4: a minimum below -65504, or a step (max - min) / 15 above it with the
+    # minimum held at 65504 at most: a group all 1.1e6 too; 7e4 alone fits)
     bigs = (("key", 7e4), ("value", -1e6)) if fmt == "float16" else \
-        (("key", -7e4), ("value", 1e6), ("key", 9.9e5))
+        (("key", -7e4), ("value", 1e6), ("key", 9.9e5), ("value", "all 1.1e6"))
     for name, big in bigs:
         k, v = (normal(rng, (1, 2, 3, 32), np.float32) for _ in range(2))
-        (k if name == "key" else v)[0, 1, 2, 5] = big
-        said = f"new {name} has magnitude {abs(big):g}" if fmt == "float16" else \
-            f"new {name} has a group from"
+        if big == "all 1.1e6":
+            (k if name == "key" else v)[0, 1, 2] = 1.1e6
+            said = f"new {name} has a group from 1.1e+06 to 1.1e+06"
+        else:
+            (k if name == "key" else v)[0, 1, 2, 5] = big
+            said = f"new {name} has magnitude {abs(big):g}" if fmt == "float16" else \
+                f"new {name} has a group from {big:g} to" if big < 0 else f" to {big:g}; "
         with pytest.raises(ValueError, match=re.escape(said)):
             cache.attend(k, k, v)
         assert len(cache) == 6 and np.array_equal(cache.keys, before)

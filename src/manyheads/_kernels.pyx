@@ -414,10 +414,10 @@ cdef LinearPlan _plan_linear(int64_t m, int64_t k, int64_t n, int num_threads, i
     that limit, as many as give every thread the same number of blocks.  More rows:
     BLAS tiles from the shape alone (never the thread count): rows in tiles of up to
     256, columns split until there are about 64 tiles, in multiples of 64 (an odd
-    count below 8 one more, in multiples of 16); with ``widened`` weights (not
-    float32), stripes of every row and at most STRIPE_BYTES of widened weights: an even
-    number of equal ones where n has one, else about an eighth of n in multiples of
-    64 columns."""
+    count of tiles below 8 one more column tile, in multiples of 16); with ``widened``
+    weights (not float32), stripes of every row and at most STRIPE_BYTES of widened
+    weights: an even number of equal ones at least 64 columns wide where n has one,
+    else about an eighth of n in multiples of 64 columns."""
     cdef LinearPlan p
     cdef int64_t m_tiles, n_tiles, target = 64, blocks, share, limit
     p.tile_m = p.tile_n = 0
@@ -443,17 +443,18 @@ cdef LinearPlan _plan_linear(int64_t m, int64_t k, int64_t n, int num_threads, i
     elif widened:
         p.tile_m = m
         limit = max(64, STRIPE_BYTES // (4 * max(k, 1)) // 64 * 64)
-        # an even number of equal stripes (6 to 16, whole blocks of 16 columns) where n
-        # has one: 576 columns were 5 stripes, 4 of 128 and one of 64, which left a
-        # thread without work at the end (2 threads, 128 rows, alternating in one process:
-        # 576 x 576 and 1536 x 576 took 0.86-0.97x the time as 6 stripes of 96, the same
-        # bits); else about an eighth of n in multiples of 64 columns
+        # an even number of equal stripes (6 to 16, whole blocks of 16 columns, at least
+        # 64 wide: a narrower one re-reads x for little) where n has one: 576 columns
+        # were 5 stripes, 4 of 128 and one of 64, which left a thread without work at
+        # the end (2 threads, 128 rows, alternating in one process: 576 x 576 and
+        # 1536 x 576 took 0.86-0.97x the time as 6 stripes of 96, the same bits); else
+        # about an eighth of n in multiples of 64 columns
         blocks = (n + 15) // 16
         share = max(6, (n + limit - 1) // limit)
         share += share % 2
         while share <= 16 and (blocks % share or blocks // share * 16 > limit):
             share += 2
-        if share <= 16 and share <= blocks:
+        if share <= 16 and blocks // share >= 4:  # (stripes of 64 columns or more)
             p.tile_n = blocks // share * 16
         else:
             p.tile_n = min(limit, ((n + 7) // 8 + 63) // 64 * 64)
@@ -466,7 +467,7 @@ cdef LinearPlan _plan_linear(int64_t m, int64_t k, int64_t n, int num_threads, i
             n_tiles = min((target + m_tiles - 1) // m_tiles, (n + 255) // 256)
         p.tile_n = ((n + n_tiles - 1) // n_tiles + 63) // 64 * 64
         n_tiles = (n + p.tile_n - 1) // p.tile_n
-        if n_tiles % 2 and 1 < n_tiles and m_tiles * n_tiles < 8:
+        if m_tiles * n_tiles % 2 and 1 < n_tiles and m_tiles * n_tiles < 8:
             # an odd count of few tiles leaves a thread without work at the end: one
             # more, in multiples of 16 columns (128 rows of 576 x 576 and 1536 x 576 on
             # 2 threads took 0.73-0.77x the time as 4 tiles of 144 columns as 3 of 192,

@@ -357,16 +357,14 @@ class KVCache:
             for name, x, (_, pairs) in zip(("key", "value"), (k, v), stored):
                 assert pairs is not None
                 if np.isinf(pairs).any():  # (a group holding NaN or inf has NaN pairs)
-                    g = x.reshape(x.shape[:-1] + (-1, I4_GROUP))
-                    finite = np.isfinite(g).all(axis=-1)
-                    lo, hi = g.min(axis=-1)[finite], g.max(axis=-1)[finite]
-                    worst = int(np.argmax(np.maximum(-lo / 65504, (hi - lo) / (15 * 65504))))
+                    over = np.isinf(pairs.reshape(pairs.shape[:-1] + (-1, 2))).any(axis=-1)
+                    g = x.reshape(x.shape[:-1] + (-1, I4_GROUP))[over][0]
                     raise ValueError(
                         f"an int4 cache stores each group of {I4_GROUP} channels as a float16 "
-                        f"minimum and step (largest - minimum) / 15, so a group's minimum must "
-                        f"be at least -65504 and its range within about 15 x 65504; a new "
-                        f"{name} has a group from {float(lo[worst]):.6g} to "
-                        f"{float(hi[worst]):.6g}; use an int8, bfloat16 or float32 cache")
+                        f"minimum (at most 65504) and step (largest - minimum) / 15, so a "
+                        f"group needs its minimum at -65504 or above and its step at 65504 "
+                        f"or below; a new {name} has a group from {float(g.min()):.6g} to "
+                        f"{float(g.max()):.6g}; use an int8, bfloat16 or float32 cache")
             return stored
         if self.format != "float16":
             return quantize(k, self.format), quantize(v, self.format)
