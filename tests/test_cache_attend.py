@@ -34,6 +34,7 @@ def test_cache_attend_returns_weights_over_every_cached_key(rng):
     ((1, 2, 3, 8), (1, 3, 3, 8), "key must have shape"),
     ((1, 3, 3, 8), (1, 2, 3, 8), "query must have shape"),
     ((1, 2, 2, 8), (1, 2, 3, 8), "query must have shape"),
+    ((1, 0, 3, 8), (1, 2, 3, 8), "query must have shape"),  # no query head: nothing to do
 ])
 def test_cache_attend_rejects_shapes_that_do_not_fit(q, k, match):
     cache = mh.KVCache(1, 16, 2, 8, np.float64)

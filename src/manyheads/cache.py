@@ -315,9 +315,9 @@ class KVCache:
             raise ValueError(f"key and value must have the same tokens, got {k.shape} and "
                              f"{v.shape}")
         if q.ndim != 4 or q.shape[0] != B or q.shape[2] != T or q.shape[3] != D or \
-                q.shape[1] % Hkv:
-            raise ValueError(f"query must have shape (batch={B}, heads (a multiple of {Hkv}), "
-                             f"tokens={T}, head_dim={D}), got {q.shape}")
+                q.shape[1] % Hkv or not q.shape[1]:
+            raise ValueError(f"query must have shape (batch={B}, heads (a positive multiple "
+                             f"of {Hkv}), tokens={T}, head_dim={D}), got {q.shape}")
         if not (q.dtype == k.dtype == v.dtype):
             raise TypeError(f"query, key and value must share one dtype; got {q.dtype}, "
                             f"{k.dtype}, {v.dtype}")
