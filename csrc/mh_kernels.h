@@ -402,10 +402,9 @@ void mh_widened_reset(void *thread_scratch, int64_t head_dim, int64_t v_dim);
 /* Quantise `rows` rows of n float32 values into the KV cache's storage formats
    (mh_formats.h; n a multiple of MH_I4_GROUP for int4): int8 values and one
    scale per row; int4 bytes and (scale, min) float16 pairs per group, the codes
-   worked out from the pair as stored (mh_quantize.c; returns mh_i4_overflows's
-   count).  A row (int4: a group) holding NaN or inf gets NaN scales. */
+   worked out from the pair as stored (mh_quantize.c).  A row (int4: a group) holding NaN or inf gets NaN scales. */
 void mh_quantize_i8(const float *x, int64_t rows, int64_t n, int8_t *q, float *scale);
-int64_t mh_quantize_i4(const float *x, int64_t rows, int64_t n, uint8_t *q, uint16_t *pairs);
+void mh_quantize_i4(const float *x, int64_t rows, int64_t n, uint8_t *q, uint16_t *pairs);
 /* how many groups of finite values of x (rows, n) have an int4 (step, minimum) pair
    beyond float16's range (mh_quantize_i4 stores inf in those) */
 int64_t mh_i4_overflows(const float *x, int64_t rows, int64_t n);

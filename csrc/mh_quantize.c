@@ -109,14 +109,13 @@ static inline int mh_i4_pair(const float *x, uint16_t *step16, uint16_t *lo16, f
     return !isfinite(*lo) || !isfinite(*step);
 }
 
-int64_t mh_quantize_i4(const float *x, int64_t rows, int64_t n, uint8_t *q, uint16_t *pairs)
+void mh_quantize_i4(const float *x, int64_t rows, int64_t n, uint8_t *q, uint16_t *pairs)
 {
-    int64_t over = 0;
     for (int64_t r = 0; r < rows; ++r) {
         for (int64_t g = 0; g < n / MH_I4_GROUP; ++g, x += MH_I4_GROUP, q += MH_I4_GROUP / 2) {
             uint16_t step16, lo16;
             float step, lo;
-            over += mh_i4_pair(x, &step16, &lo16, &step, &lo);
+            mh_i4_pair(x, &step16, &lo16, &step, &lo);
             const float safe = step > 0.0f ? step : 1.0f;
             for (int c = 0; c < MH_I4_GROUP; c += 2)
                 q[c / 2] = (uint8_t)(mh_round_clamp((x[c] - lo) / safe, 0.0f, 15.0f) |
@@ -125,7 +124,6 @@ int64_t mh_quantize_i4(const float *x, int64_t rows, int64_t n, uint8_t *q, uint
             *pairs++ = lo16;
         }
     }
-    return over;
 }
 
 int64_t mh_i4_overflows(const float *x, int64_t rows, int64_t n)

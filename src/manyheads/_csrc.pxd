@@ -167,8 +167,7 @@ cdef extern from "mh_kernels.h" nogil:
     int mh_isa_compiled(int isa)
     const mh_kernel_table *mh_kernels(int isa)
     void mh_quantize_i8(const float *x, int64_t rows, int64_t n, int8_t *q, float *scale)
-    int64_t mh_quantize_i4(const float *x, int64_t rows, int64_t n, uint8_t *q,
-                           uint16_t *pairs)
+    void mh_quantize_i4(const float *x, int64_t rows, int64_t n, uint8_t *q, uint16_t *pairs)
     int64_t mh_i4_overflows(const float *x, int64_t rows, int64_t n)
     uint16_t mh_float_to_half(float f)
     uint16_t mh_float_to_bf16(float f)
