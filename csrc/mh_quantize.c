@@ -36,7 +36,10 @@ void mh_quantize_i8(const float *x, int64_t rows, int64_t n, int8_t *q, float *s
             if (a != a) nan = 1;
             else if (a > m) m = a;
         }
-        const float s = nan ? NAN : m / 127.0f;
+        float s = nan ? NAN : m / 127.0f;
+        /* (a scale of a largest value near FLT_MAX, rounded up, would widen 127 to inf:
+           the float below it widens the codes to finite values within half a step) */
+        if (isinf(s * 127.0f)) s = nextafterf(s, 0.0f);
         const float safe = s > 0.0f ? s : 1.0f;
         for (int64_t c = 0; c < n; ++c) q[c] = (int8_t)mh_round_clamp(x[c] / safe, -127.0f, 127.0f);
         scale[r] = isfinite(s) ? s : NAN;

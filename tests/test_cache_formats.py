@@ -147,6 +147,9 @@ def reference_quantize(x, fmt):
     with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
         if fmt == "int8":
             scale = np.max(np.abs(x), axis=-1, keepdims=True) / np.float32(127)
+            # (a scale that would widen 127 to inf: the float below it)
+            scale = np.where(np.isinf(scale * np.float32(127)),
+                             np.nextafter(scale, np.float32(0)), scale)
             safe = np.where(scale > 0, scale, np.float32(1))
             q = np.clip(np.rint(x / safe), -127, 127)
             q = np.where(np.isfinite(q), q, 0).astype(np.int8)
@@ -196,11 +199,29 @@ def test_the_quantiser_stores_the_reference_bits(rng, fmt):
     x[2, 0, 4, :32] = 0.0                            # zeros of both signs
     x[2, 0, 4, 0] = -0.0
     x[2, 0, 5] *= 1e-40                              # float32 subnormals
+    top = np.finfo(np.float32).max                   # int8: scales whose 127 would be inf
+    x[2, 1, :, 0] = np.nextafter(top, 0) ** np.linspace(1, 0.999, 7, dtype=np.float32)
+    x[2, 1, 0, 0] = top
     got, want = quantize(x, fmt), reference_quantize(x, fmt)
     assert got[0].dtype == want[0].dtype and got[1].dtype == want[1].dtype
     np.testing.assert_array_equal(got[0], want[0])
     bits = "u4" if fmt == "int8" else "u2"
     np.testing.assert_array_equal(got[1].view(bits), want[1].view(bits))
+
+
+def test_int8_rows_up_to_float32s_largest_come_back_finite_within_half_a_step():
+    """A row whose largest magnitude is near float32's largest: its scale, rounded, would
+    widen 127 to inf; the float below it is stored, and every value comes back finite,
+    within half a stored step."""
+    top = np.float32(np.finfo(np.float32).max)
+    peaks = (top.view(np.uint32) - np.arange(4096, dtype=np.uint32)).view(np.float32)
+    x = np.zeros((peaks.size, 64), np.float32)
+    x[:, 0], x[:, 1], x[:, 2] = peaks, -peaks, peaks * np.float32(0.37)
+    q, s = quantize(x, "int8")
+    back = dequantize(q, s, "int8").astype(np.float64)
+    assert np.isfinite(back).all() and np.all(s[:, 0] * np.float64(127) <= top)
+    assert np.all(np.abs(back - x) <= s.astype(np.float64) / 2 * (1 + 1e-6))
+    np.testing.assert_array_equal(q, reference_quantize(x, "int8")[0])
 
 
 def test_the_quantiser_rejects_what_its_formats_cannot_hold():
@@ -464,21 +485,24 @@ def test_int4_values_come_back_within_half_a_stored_step(rng):
             assert np.all(np.abs(back - x) <= step / 2 * (1 + 1e-6) + slack)
 
 
-@pytest.mark.parametrize("fmt", ["float16", "int4"])
+@pytest.mark.parametrize("fmt", ["float16", "bfloat16", "int4"])
 @pytest.mark.parametrize("window", [None, 4])
 def test_a_half_or_int4_cache_refuses_finite_values_beyond_its_range(rng, window, fmt):
-    """A finite key or value past float16's 65504 (int4: a group whose float16 minimum
-    or step would be) would be stored as inf and turn every score (or the output) into
-    NaN: a ValueError naming it, before anything is stored; inf given as such is stored
-    as it is, as the other formats take it."""
-    cache = mh.KVCache(1, 16, 2, 32, np.float16 if fmt == "float16" else fmt, window=window)
+    """A finite key or value past float16's 65504 (bfloat16: one that rounds to its inf,
+    from about 3.396e38; int4: a group whose float16 minimum or step would be past 65504)
+    would be stored as inf and turn every score (or the output) into NaN: a ValueError
+    naming it, before anything is stored; inf given as such is stored as it is, as the
+    other formats take it."""
+    cache = mh.KVCache(1, 16, 2, 32, cache_dtype(fmt), window=window)
     x = normal(rng, (1, 2, 6, 32), np.float32)
     cache.attend(x, x, x)                          # (past the window: the ring's path)
     before = cache.keys.copy()
     # (int4: a minimum below -65504, or a step (max - min) / 15 above it with the
     # minimum held at 65504 at most: a group all 1.1e6 too; 7e4 alone fits)
-    bigs = (("key", 7e4), ("value", -1e6)) if fmt == "float16" else \
-        (("key", -7e4), ("value", 1e6), ("key", 9.9e5), ("value", "all 1.1e6"))
+    bigs = {"float16": (("key", 7e4), ("value", -1e6)),
+            "bfloat16": (("key", 3.3962e38), ("value", -3.4e38)),  # (3.39615e38 and up)
+            "int4": (("key", -7e4), ("value", 1e6), ("key", 9.9e5), ("value", "all 1.1e6"))
+            }[fmt]
     for name, big in bigs:
         k, v = (normal(rng, (1, 2, 3, 32), np.float32) for _ in range(2))
         if big == "all 1.1e6":
@@ -486,13 +510,15 @@ def test_a_half_or_int4_cache_refuses_finite_values_beyond_its_range(rng, window
             said = f"new {name} has a group from 1.1e+06 to 1.1e+06"
         else:
             (k if name == "key" else v)[0, 1, 2, 5] = big
-            said = f"new {name} has magnitude {abs(big):g}" if fmt == "float16" else \
+            said = f"new {name} has magnitude {abs(big):g}" if fmt != "int4" else \
                 f"new {name} has a group from {big:g} to" if big < 0 else f" to {big:g}; "
         with pytest.raises(ValueError, match=re.escape(said)):
             cache.attend(k, k, v)
         assert len(cache) == 6 and np.array_equal(cache.keys, before)
     k = normal(rng, (1, 2, 1, 32), np.float32)
-    k[0, 0, 0, 7] = 7e4 if fmt == "int4" else 6e4  # (the largest value either holds)
+    # (the largest values each holds: bfloat16's largest finite, and what rounds to it)
+    k[0, 0, 0, 7] = {"float16": 6e4, "bfloat16": 3.3961e38, "int4": 7e4}[fmt]
+    k[0, 0, 0, 8] = 3.3895e38 if fmt == "bfloat16" else 0.0
     v = k.copy()
     v[0, 0, 0, 3] = np.inf
     out = cache.attend(k, k, v)

@@ -9,6 +9,7 @@ the original context of the scaled rotary embeddings.  The last tests show that 
 wrong setting would be seen: each one changed in config.json moves the logits.
 """
 import json
+import re
 
 import numpy as np
 import pytest
@@ -574,13 +575,14 @@ def test_a_replaced_weight_is_read_by_the_next_compiled_step(pair, monkeypatch, 
     np.testing.assert_array_equal(compiled, steps())
 
 
-@pytest.mark.parametrize("fmt", ["float16", "int4"])
+@pytest.mark.parametrize("fmt", ["float16", "bfloat16", "int4"])
 def test_a_half_or_int4_cache_overflow_in_the_compiled_step_raises_as_the_lean_path(
         pair, monkeypatch, fmt):
-    """A new key past float16's range (int4: a group whose float16 minimum or step would
-    be) in the last layer: the compiled step stores nothing from that layer on and gives
-    way to the lean path, which raises its ValueError; the caches end as the lean path
-    alone leaves them, bit for bit."""
+    """A new key past float16's range (bfloat16: a value that rounds to its inf; int4: a
+    group whose float16 minimum or step would be past 65504) in the last layer: the
+    compiled step stores nothing from that layer on and gives way to the lean path,
+    which raises its ValueError; the caches end as the lean path alone leaves them, bit
+    for bit."""
     from manyheads.models import _step, llama
 
     family, _, _, model = pair
@@ -589,7 +591,12 @@ def test_a_half_or_int4_cache_overflow_in_the_compiled_step_raises_as_the_lean_p
         with pytest.raises(ValueError, match="int4 cache needs head_dim to be a multiple"):
             model.new_caches(1, 9, fmt)
         return
-    before = attn.W_qkv
+    before, bias = attn.W_qkv, attn.b_qkv
+    # (bfloat16: no weights and one value channel's bias 3.399e38, past the 3.39615e38
+    # that rounds to inf, a float32 value exactly)
+    n_qkv = (attn.num_heads + 2 * attn.num_kv_heads) * attn.head_dim
+    past = np.zeros(n_qkv, np.float32)
+    past[n_qkv - 1] = 3.399e38
     ids = np.arange(7)[None] % VOCAB
     voided = []
     call = _step.CompiledStep.__call__
@@ -603,13 +610,18 @@ def test_a_half_or_int4_cache_overflow_in_the_compiled_step_raises_as_the_lean_p
         caches = model.new_caches(1, 9, fmt)
         model.logits(ids, caches=caches)
         model.logits(ids[:, :1], caches=caches)
-        attn.W_qkv = before * np.float32(1e6)  # its keys and values pass 65504
+        if fmt == "bfloat16":
+            attn.W_qkv, attn.b_qkv = np.zeros_like(before), past
+        else:
+            attn.W_qkv = before * np.float32(1e6)  # its keys and values pass 65504
+        said = {"float16": "float16 cache holds values up to 65504",
+                "bfloat16": "bfloat16 cache holds values up to 3.38953e+38",
+                "int4": "int4 cache stores each group"}[fmt]
         try:
-            with pytest.raises(ValueError, match="float16 cache holds values up to 65504"
-                               if fmt == "float16" else "int4 cache stores each group"):
+            with pytest.raises(ValueError, match=re.escape(said)):
                 model.logits(ids[:, 1:2], caches=caches)
         finally:
-            attn.W_qkv = before
+            attn.W_qkv, attn.b_qkv = before, bias
         return caches
 
     monkeypatch.setattr(_step.CompiledStep, "__call__", counted_call)

@@ -1357,7 +1357,7 @@ cdef struct LayerStep:
     int64_t sc_s[3]      # ... and of their scales
     int64_t slot
     int gelu             # the gated MLP's activation: GELU's tanh form (else SiLU)
-    int *overflow        # the program's flag: a float16 cache could not hold a new value
+    int *overflow        # the program's flag: a half cache could not hold a new value
     void (*exp_f32)(const float *x, float *y, int64_t n) noexcept nogil
 
 
@@ -1410,12 +1410,17 @@ cdef void _st_store(LayerStep *s, const float *src, char *data, char *scales, in
             (<float *>at)[j] = src[j]
 
 
-cdef bint _half_overflows(const float *x, int64_t n) noexcept nogil:
+cdef bint _half_overflows(const float *x, int64_t n, bint bf16) noexcept nogil:
     """Whether a finite value of x[0, n) rounds to float16 infinity (as NumPy's cast
-    overflows)."""
+    overflows), or with ``bf16`` to bfloat16's."""
     cdef int64_t j
     for j in range(n):
-        if isfinite(x[j]) and (mh_float_to_half(x[j]) & 0x7fff) == 0x7c00:
+        if not isfinite(x[j]):
+            continue
+        if bf16:
+            if (mh_float_to_bf16(x[j]) & 0x7fff) == 0x7f80:
+                return True
+        elif (mh_float_to_half(x[j]) & 0x7fff) == 0x7c00:
             return True
     return False
 
@@ -1437,9 +1442,10 @@ cdef void _st_qkv(LayerStep *s) noexcept nogil:
         if s.rot_n:
             mh_rotate_heads(row, 1, s.H, 1, 0, s.D, 0, 1, s.rot_n, s.cos, s.sin)
             mh_rotate_heads(kp, 1, s.Hkv, 1, 0, s.D, 0, 1, s.rot_n, s.cos, s.sin)
-    if s.kv_fmt == MH_STORE_F16 and not s.overflow[0]:
+    if (s.kv_fmt == MH_STORE_F16 or s.kv_fmt == MH_STORE_BF16) and not s.overflow[0]:
         for b in range(s.B):  # the keys and values of every row, before any is stored
-            if _half_overflows(s.qkv + b * s.n_qkv + s.H * s.D, 2 * s.Hkv * s.D):
+            if _half_overflows(s.qkv + b * s.n_qkv + s.H * s.D, 2 * s.Hkv * s.D,
+                               s.kv_fmt == MH_STORE_BF16):
                 s.overflow[0] = 1
     if s.kv_fmt == MH_STORE_I4 and not s.overflow[0]:
         for b in range(s.B):  # (a group's float16 step or minimum would be inf)
@@ -1550,7 +1556,7 @@ cdef class DecodeProgram:
     cdef list _keep
     cdef object _partial  # the products' chunk sums, one buffer for all (run in turn)
     cdef int64_t _partial_elems
-    cdef int _overflow    # the last run found a value a float16 cache cannot hold
+    cdef int _overflow    # the last run found a value a half cache cannot hold
     cdef double _weight_bytes  # the products' weights (and scales), every layer
 
     def __cinit__(self, int n_layers, int num_threads):
@@ -1644,7 +1650,8 @@ cdef class DecodeProgram:
 
     @property
     def overflowed(self):
-        """Whether the last run found a key or value its float16 cache cannot hold."""
+        """Whether the last run found a key or value its float16 or bfloat16 cache (or
+        an int4 cache's pairs) cannot hold."""
         return bool(self._overflow)
 
     cdef int _set_cache(self, LayerStep *s, tuple cache) except -1:
@@ -1668,10 +1675,10 @@ cdef class DecodeProgram:
         ``caches[i]`` its cache's arrays (see _set_cache); none is kept after the run.
         Returns how often the first thread waited more than a millisecond for the
         others; more than twice, and the calls of the next CONTENDED_SECONDS plan as
-        contended (:func:`contended`).  Where a float16 cache cannot hold a new key or
-        value (it would round to infinity), that layer and the later ones store
-        nothing and :attr:`overflowed` is set: the run is void (the caller must not
-        advance the caches)."""
+        contended (:func:`contended`).  Where a float16 or bfloat16 cache cannot hold a
+        new key or value (it would round to infinity), or an int4 cache's pairs, that
+        layer and the later ones store nothing and :attr:`overflowed` is set: the run is
+        void (the caller must not advance the caches)."""
         global _contended_until
         cdef int i, n = 0
         cdef long yields
@@ -1768,3 +1775,4 @@ cdef class DecodeProgram:
         self.phases[n].ahead_bytes = min(READ_AHEAD_BYTES, ahead.k * ahead.w_row
                                          * mh_storage_bits(ahead.w_fmt) // 8) \
             if ahead != NULL else 0
+

@@ -15,7 +15,8 @@ What it covers: float32 activations, up to FEW_ROWS rows, any weight format,
 SwiGLU and GeGLU (GELU's tanh form) blocks (optionally with post-norms and per-head
 query/key norms), caches in float32, float16, bfloat16, int8 or int4 without padding.
 Anything else takes the blocks' own decode (so does a step whose new key or value a
-float16 cache cannot hold: the blocks' decode then raises its ValueError).
+float16, bfloat16 or int4 cache cannot hold: the blocks' decode then raises its
+ValueError).
 """
 from __future__ import annotations
 
@@ -150,8 +151,9 @@ class CompiledStep:
         ``caches`` (those it was built for): a new array; the caches advance by one
         token.  None, and the caches not advanced, when a cache holds padding, some
         layer's attention is planned in a layout the step does not lay out, or a new key
-        or value rounds to infinity in a float16 cache (the slots past the caches' ends
-        may then have been written: the blocks' decode writes them again)."""
+        or value rounds to infinity in a float16 or bfloat16 cache, or in an int4
+        cache's pairs (the slots past the caches' ends may then have been written: the
+        blocks' decode writes them again)."""
         B = self.rows
         if any(c._any_padding for c in caches):
             return None
