@@ -500,7 +500,8 @@ def test_a_half_or_int4_cache_refuses_finite_values_beyond_its_range(rng, window
     # (int4: a minimum below -65504, or a step (max - min) / 15 above it with the
     # minimum held at 65504 at most: a group all 1.1e6 too; 7e4 alone fits)
     bigs = {"float16": (("key", 7e4), ("value", -1e6)),
-            "bfloat16": (("key", 3.3962e38), ("value", -3.4e38)),  # (3.39615e38 and up)
+            # (3.39615e38 and up; beside an inf, which hides the finite extremes)
+            "bfloat16": (("key", 3.3962e38), ("value", -3.4e38), ("key", "beside inf")),
             "int4": (("key", -7e4), ("value", 1e6), ("key", 9.9e5), ("value", "all 1.1e6"))
             }[fmt]
     for name, big in bigs:
@@ -508,6 +509,9 @@ def test_a_half_or_int4_cache_refuses_finite_values_beyond_its_range(rng, window
         if big == "all 1.1e6":
             (k if name == "key" else v)[0, 1, 2] = 1.1e6
             said = f"new {name} has a group from 1.1e+06 to 1.1e+06"
+        elif big == "beside inf":
+            k[0, 0, 1, 3], k[0, 0, 2, 4], k[0, 1, 0, 9] = np.inf, -np.inf, -3.3962e38
+            said = f"new {name} has magnitude 3.3962e+38"
         else:
             (k if name == "key" else v)[0, 1, 2, 5] = big
             said = f"new {name} has magnitude {abs(big):g}" if fmt != "int4" else \
