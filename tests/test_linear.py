@@ -302,6 +302,12 @@ def test_gather_columns_gives_the_embedding_rows_of_token_ids(rng, fmt):
     for bad in (n, -n - 1):
         with pytest.raises(IndexError):
             gather_columns(w, np.array([0, bad]))
+    # ids as a list are integers too; a mask or float ids are not ids (an int8 table read
+    # a mask as the ids 0 and 1 and truncated floats)
+    np.testing.assert_array_equal(gather_columns(w, [2, 4]), gather_columns(w, np.array([2, 4])))
+    for bad_ids in (np.arange(n) % 2 == 0, np.array([2.9])):
+        with pytest.raises(TypeError, match="ids must be integers"):
+            gather_columns(w, bad_ids)
     if isinstance(w, mh.Int8Weight):  # the compiled gather checks its columns itself
         with pytest.raises(IndexError, match="out of range"):
             _kernels.gather_int8_columns(w._blocked, w._scales, k, w.group_size,
@@ -495,3 +501,43 @@ def test_a_call_that_is_not_plain_goes_to_the_general_path(rng, case):
     else:
         with pytest.raises((TypeError, ValueError)):
             mh.linear(*args[:3])
+
+
+@pytest.mark.parametrize("group", [None, 8])
+@pytest.mark.parametrize("rows", [1, 3, 9, 17])
+def test_int8_weights_take_inputs_near_float32s_largest(rng, rows, group):
+    """int8 weights sum x times their int8 values and apply the scales after each group:
+    those sums reach 127 times the weights', so an x within a factor 128 k of float32's
+    largest is scaled by a power of two first. The product of x up to 3e38 with weights
+    that keep it finite is the float64 one within float32 rounding (it was inf for up
+    to 16 rows) within what its rounding of x to 16-bit integers per pass of eight rows
+    (half a step of the largest / 32767) and float32's rounding allow, the bias added."""
+    k, n = 40, 24
+    w = mh.Int8Weight.quantize((rng.standard_normal((k, n)) * 1e-3).astype(np.float32), group)
+    wd = w.dequantize().astype(np.float64)
+    bias = rng.standard_normal(n).astype(np.float32)
+    for size in (1e36, 1e37, 3e38):
+        x = (rng.uniform(-1, 1, (rows, k)) * size).astype(np.float32)
+        x[:, 3] = 1e-20  # (a value that becomes subnormal when x is scaled)
+        got = mh.linear(x, w, bias)
+        want = x.astype(np.float64) @ wd + bias
+        ax = np.abs(x).astype(np.float64)
+        bound = ax.max(axis=1, keepdims=True) / 65534 * np.abs(wd).sum(axis=0) \
+            + 64 * np.finfo(np.float32).eps * (ax @ np.abs(wd))
+        assert np.isfinite(got).all()
+        assert np.all(np.abs(got - want) <= bound + 1e-6)
+
+
+def test_int8_quantize_keeps_tiny_weights_within_half_a_step():
+    """A column whose largest magnitude is below about 4e-37 has a scale whose inverse is
+    inf: its values are divided by the scale instead (every nonzero one came back as
+    +-127 times it), and each comes back within half a stored step."""
+    col = np.array([1e-38, 5e-39, -2e-39, 0.0, 3e-45], np.float32)
+    w = np.stack([col, col * np.float32(1e3), col * np.float32(1e-3)], axis=1)
+    q = mh.Int8Weight.quantize(w)
+    back = q.dequantize().astype(np.float64)
+    tiny = np.float64(np.finfo(np.float32).smallest_subnormal)
+    # (within float32's rounding of w times the scale's inverse, as for ordinary weights)
+    slack = 2 * np.finfo(np.float32).eps * np.abs(w) + tiny
+    assert np.all(np.abs(back - w) <= q.scales.astype(np.float64) / 2 + slack)
+    assert list(q.data[:, 0]) == [127, 63, -25, 0, 0]

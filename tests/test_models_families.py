@@ -633,3 +633,39 @@ def test_a_half_or_int4_cache_overflow_in_the_compiled_step_raises_as_the_lean_p
         assert len(a) == len(b)
         np.testing.assert_array_equal(a.keys, b.keys)
         np.testing.assert_array_equal(a.values, b.values)
+
+
+def test_an_int8_product_of_inputs_near_float32s_largest_runs_compiled_as_lean(
+        pair, monkeypatch):
+    """int8 weights sum x times their int8 values (up to 127 times the weights) and
+    apply the scales after each group, so an input within a factor 128 k of float32's
+    largest is scaled first. A last block whose MLP norm is 2^122 times larger and
+    whose gate-up scales are 2^122 times smaller (the same product, but for the digits
+    the scales lose below float32's normal range) gives the logits of the model as
+    loaded (they were NaN): the compiled step gives way to the blocks' decode, with its
+    bits."""
+    from manyheads.models import llama
+    from manyheads.weights import Int8Weight
+
+    family, folder, _, _ = pair
+    model = from_pretrained(folder, weight_dtype="int8")
+    ids = np.arange(7)[None] % VOCAB
+
+    def run():
+        caches = model.new_caches(1, 9)
+        out = [model.logits(ids, caches=caches, last_only=True)]
+        out += [model.logits(ids[:, i:i + 1], caches=caches) for i in range(2)]
+        return out
+
+    want = run()
+    b = model.blocks[-1]
+    w = b.w_gate_up
+    b.norm_mlp = b.norm_mlp * np.float32(2.0 ** 122)
+    b.w_gate_up = Int8Weight(w.data, w.scales * np.float32(2.0 ** -122), w.group_size)
+    compiled = run()
+    monkeypatch.setattr(llama.Llama, "_decode_step", lambda self, caches, rows: None)
+    lean = run()
+    for c, le, wa in zip(compiled, lean, want):
+        np.testing.assert_array_equal(c, le)
+        # (subnormal scales keep about 17 bits: the logits move by up to 1e-4 of 3)
+        np.testing.assert_allclose(c, wa, rtol=1e-3, atol=1e-3)

@@ -14,7 +14,7 @@ checked everything before it builds a call.  The C declarations are in
 from cython.parallel cimport parallel, prange, threadid
 from libc.stdint cimport int8_t, int64_t, uint8_t, uint16_t, uint64_t, uintptr_t
 from libc.stdlib cimport calloc, free, malloc
-from libc.math cimport isfinite, sqrt
+from libc.math cimport fabsf, frexpf, isfinite, ldexpf, sqrt
 from libc.string cimport memset
 from cpython.pythread cimport PyThread_get_thread_ident
 
@@ -540,11 +540,76 @@ cdef void _stripe_item(const Job *j, int64_t it, char *scratch) noexcept nogil:
     mh_linear_stripe_f32(j.lin, it, <float *>scratch, j.widen)
 
 
+cdef float _largest_finite(const float *x, int64_t m, int64_t k, int64_t row) noexcept nogil:
+    """The largest finite magnitude of x (m rows of k, ``row`` apart), 0 if none."""
+    cdef float big = 0, v
+    cdef int64_t r, j
+    for r in range(m):
+        for j in range(k):
+            v = fabsf(x[r * row + j])
+            if v > big and isfinite(v):
+                big = v
+    return big
+
+
+cdef inline float _int8_x_limit(int64_t k) noexcept nogil:
+    """The magnitude of x from which the sums of an int8 product over k rows, in units of
+    the weights' scales (up to 127 times the weights), might pass float32's largest."""
+    return 3.4028234663852886e38 / (128.0 * (k if k > 0 else 1))
+
+
+cdef int _linear_int8_scaled(mh_linear_args *a, int num_threads, bint check_signals,
+                             float big, float limit) except -1:
+    """_linear_few_rows for int8 weights and an x so large that the sums of x times the
+    int8 values (the weights over their scales, up to 127 times the weights) might pass
+    float32's range while the product does not: the product of x times 2^-e, with e the
+    exponent that brings x below ``limit`` (exact, but for values so far below the
+    largest that they become subnormal), times 2^e, the bias added after."""
+    cdef int e = 0
+    cdef int64_t r, j
+    cdef float *xs
+    cdef float *o
+    cdef const float *b = <const float *>a.bias
+    cdef const void *x0 = a.x
+    cdef int64_t x_row = a.x_row
+    frexpf(big / limit, &e)
+    e += 1
+    xs = <float *>malloc(max(a.m * a.k, 1) * sizeof(float))
+    if xs == NULL:
+        raise MemoryError("cannot allocate the projection's scaled rows")
+    try:
+        for r in range(a.m):
+            for j in range(a.k):
+                xs[r * a.k + j] = ldexpf((<const float *>x0)[r * x_row + j], -e)
+        a.x = xs
+        a.x_row = a.k
+        a.bias = NULL
+        _linear_few_rows(a, num_threads, check_signals, False)
+        for r in range(a.m):
+            o = <float *>a.out + r * a.out_row
+            for j in range(a.n):
+                o[j] = ldexpf(o[j], e) + (b[j] if b != NULL else 0.0)
+    finally:
+        a.x = x0
+        a.x_row = x_row
+        a.bias = b
+        free(xs)
+    return 0
+
+
 cdef int _linear_few_rows(mh_linear_args *a, int num_threads, bint check_signals,
                           bint f64) except -1:
     """The kernels' own product of a (up to FEW_ROWS rows, every operand set but the
-    plan's fields): planned, run and its chunks' sums added."""
+    plan's fields): planned, run and its chunks' sums added.  int8 weights take x in
+    passes as integers times the int8 values, scaled by the weights' scale after each
+    group: an x within a factor 128 k of float32's largest takes _linear_int8_scaled."""
     cdef Job job
+    cdef float big, limit
+    if not f64 and a.w_fmt == MH_STORE_I8:
+        big = _largest_finite(<const float *>a.x, a.m, a.k, a.x_row)
+        limit = _int8_x_limit(a.k)
+        if big >= limit:
+            return _linear_int8_scaled(a, num_threads, check_signals, big, limit)
     cdef size_t itemsize = 8 if f64 else 4
     cdef LinearPlan p = _plan_linear(a.m, a.k, a.n, num_threads, itemsize,
                                      a.w_fmt == MH_STORE_I8 and a.group < a.k,
@@ -1357,7 +1422,8 @@ cdef struct LayerStep:
     int64_t sc_s[3]      # ... and of their scales
     int64_t slot
     int gelu             # the gated MLP's activation: GELU's tanh form (else SiLU)
-    int *overflow        # the program's flag: a half cache could not hold a new value
+    int *overflow        # the program's flag: a half cache could not hold a new value, or
+                         # an int8 product's x was too large for its sums (the run is void)
     void (*exp_f32)(const float *x, float *y, int64_t n) noexcept nogil
 
 
@@ -1372,8 +1438,14 @@ cdef struct Phase:
 
 
 cdef inline void _merge_product(LayerStep *s, int i) noexcept nogil:
+    cdef const mh_linear_args *a = &s.lin[i]
     if s.chunks[i] > 1:
         mh_linear_merge_f32(&s.lin[i], s.chunks[i])
+    # an int8 product whose x is so large that _linear_few_rows would scale it: the run
+    # is void, and the blocks' decode computes the step
+    if a.w_fmt == MH_STORE_I8 and \
+            _largest_finite(<const float *>a.x, a.m, a.k, a.x_row) >= _int8_x_limit(a.k):
+        s.overflow[0] = 1
 
 
 cdef inline void _add_residual(LayerStep *s, const float *y, const float *post) noexcept nogil:
@@ -1651,7 +1723,8 @@ cdef class DecodeProgram:
     @property
     def overflowed(self):
         """Whether the last run found a key or value its float16 or bfloat16 cache (or
-        an int4 cache's pairs) cannot hold."""
+        an int4 cache's pairs) cannot hold, or an int8 product's x too large for the
+        compiled product (see _linear_int8_scaled)."""
         return bool(self._overflow)
 
     cdef int _set_cache(self, LayerStep *s, tuple cache) except -1:
@@ -1678,7 +1751,8 @@ cdef class DecodeProgram:
         contended (:func:`contended`).  Where a float16 or bfloat16 cache cannot hold a
         new key or value (it would round to infinity), or an int4 cache's pairs, that
         layer and the later ones store nothing and :attr:`overflowed` is set: the run is
-        void (the caller must not advance the caches)."""
+        void (the caller must not advance the caches); so is a run in which an int8
+        product's x is too large for the compiled product."""
         global _contended_until
         cdef int i, n = 0
         cdef long yields

@@ -160,8 +160,14 @@ def _quantized(a: np.ndarray, g: int) -> tuple[np.ndarray, np.ndarray]:
         part = a[i * g:(i + 1) * g].astype(np.float32)
         amax = np.max(np.abs(part), axis=0)
         scale = (amax / np.float32(127)).astype(np.float32)
-        inv = np.divide(np.float32(1), scale, out=np.zeros_like(scale), where=scale > 0)
-        data[i * g:(i + 1) * g] = np.clip(np.rint(part * inv), -127, 127)
+        with np.errstate(over="ignore", invalid="ignore"):
+            inv = np.divide(np.float32(1), scale, out=np.zeros_like(scale), where=scale > 0)
+            q = part * inv
+            tiny = np.isinf(inv)  # (a scale below about 3e-39: divided by, not inverted)
+            if tiny.any():
+                q[:, tiny] = part[:, tiny] / scale[tiny]
+        # (a group holding NaN or inf has a NaN or inf scale: its values are NaN anyway)
+        data[i * g:(i + 1) * g] = np.clip(np.rint(np.where(np.isfinite(q), q, 0)), -127, 127)
         scales[i] = scale
     return data, scales
 
@@ -327,9 +333,12 @@ def join_columns(parts: list[Any], arena: WeightArena | None = None) -> Any:
     return np.concatenate(parts, axis=1, out=arena.empty(shape, parts[0].dtype))
 
 
-def gather_columns(w: Any, ids: np.ndarray) -> np.ndarray:
-    """Columns ``ids`` (any shape) of weight ``w`` (k, n) as float32, shape ids.shape + (k,):
-    rows of an embedding table held as (d, vocab) columns."""
+def gather_columns(w: Any, ids: Any) -> np.ndarray:
+    """Columns ``ids`` (integers, any shape) of weight ``w`` (k, n) as float32, shape
+    ids.shape + (k,): rows of an embedding table held as (d, vocab) columns."""
+    ids = np.asarray(ids)
+    if ids.dtype.kind not in "iu":
+        raise TypeError(f"ids must be integers, got an array of {ids.dtype}")
     n = w.shape[1]
     if ids.size and (ids.min() < -n or ids.max() >= n):
         raise IndexError(f"index out of range for {n} columns")

@@ -16,7 +16,9 @@ SwiGLU and GeGLU (GELU's tanh form) blocks (optionally with post-norms and per-h
 query/key norms), caches in float32, float16, bfloat16, int8 or int4 without padding.
 Anything else takes the blocks' own decode (so does a step whose new key or value a
 float16, bfloat16 or int4 cache cannot hold: the blocks' decode then raises its
-ValueError).
+ValueError; and a step in which an int8 product's input is so large, above about
+float32's largest over 128 times its rows, that the compiled product cannot sum it:
+the blocks' decode takes its products, which scale such an input first).
 """
 from __future__ import annotations
 
@@ -152,8 +154,9 @@ class CompiledStep:
         token.  None, and the caches not advanced, when a cache holds padding, some
         layer's attention is planned in a layout the step does not lay out, or a new key
         or value rounds to infinity in a float16 or bfloat16 cache, or in an int4
-        cache's pairs (the slots past the caches' ends may then have been written: the
-        blocks' decode writes them again)."""
+        cache's pairs, or an int8 product's input is too large for the compiled product
+        (the slots past the caches' ends may then have been written: the blocks' decode
+        writes them again)."""
         B = self.rows
         if any(c._any_padding for c in caches):
             return None
