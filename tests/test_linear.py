@@ -1,4 +1,6 @@
 """manyheads.linear: the projections' product on manyheads' threads."""
+import re
+
 import numpy as np
 import pytest
 
@@ -541,3 +543,33 @@ def test_int8_quantize_keeps_tiny_weights_within_half_a_step():
     slack = 2 * np.finfo(np.float32).eps * np.abs(w) + tiny
     assert np.all(np.abs(back - w) <= q.scales.astype(np.float64) / 2 + slack)
     assert list(q.data[:, 0]) == [127, 63, -25, 0, 0]
+
+
+@pytest.mark.parametrize("fmt, bad, fits", [("float16", 7e4, 65519.0),
+                                            ("bfloat16", 3.3962e38, 3.3961e38),
+                                            ("int8", np.nan, 3e38), ("int8", -np.inf, -3e38)])
+def test_a_weight_refuses_values_its_format_would_not_stand_for(rng, fmt, bad, fits):
+    """A finite value that would round to inf in float16 or bfloat16, or a NaN or inf in
+    an int8 weight (its scale would make its whole column NaN): a ValueError naming the
+    value, from convert_weight, Int8Weight.quantize and a checkpoint's projection (its
+    tensor named), where they were stored silently. What the format holds is stored."""
+    from manyheads.models._checkpoint import ArrayTensors
+    from manyheads.weights import convert_weight
+
+    w = rng.standard_normal((6, 40)).astype(np.float32)
+    w[3, 17] = bad
+    said = "needs finite values" if fmt == "int8" else f"has one of {abs(bad):g}, which"
+    said = re.escape(said)
+    with pytest.raises(ValueError, match=said):
+        convert_weight(w, fmt)
+    if fmt == "int8":
+        with pytest.raises(ValueError, match=said):
+            mh.Int8Weight.quantize(w, 2)
+    with pytest.raises(ValueError, match="tensor 'p'"):
+        ArrayTensors({"p": w.T.copy()}, fmt).linear("p", 6, 40)
+    w[3, 17] = fits
+    stored = convert_weight(w, fmt)
+    back = stored.dequantize() if fmt == "int8" else np.asarray(stored, np.float32)
+    assert np.isfinite(back).all()
+    got = ArrayTensors({"p": w.T.copy()}, fmt).linear("p", 6, 40)
+    np.testing.assert_array_equal(got.dequantize() if fmt == "int8" else got, back)

@@ -11,6 +11,7 @@ storage codes, the formats named in error messages and the benchmark's lists.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -131,3 +132,25 @@ def cache_format(dtype: Any) -> StorageFormat:
     if fmt is None:
         raise TypeError(f"cache dtype must be one of {CACHE_FORMATS_TEXT}, got {dtype!r}")
     return fmt
+
+
+#: the largest finite bfloat16, and the smallest float32 that rounds to bfloat16's inf
+#: (halfway between the two, a tie, rounds to the even one: inf); float16's likewise
+BF16_MAX = float(np.uint32(0x7F7F0000).view(np.float32))
+BF16_ROUNDS_TO_INF = float(np.uint32(0x7F7F8000).view(np.float32))
+F16_MAX, F16_ROUNDS_TO_INF = 65504.0, 65520.0
+
+
+def largest_beyond(x: np.ndarray, limit: float) -> float | None:
+    """The largest finite magnitude of x if it is ``limit`` or more, else None (one pass
+    for each extreme, NaN and inf ignored, in the usual case)."""
+    if x.size == 0:
+        return None
+    top, bottom = float(np.fmax.reduce(x, axis=None)), float(np.fmin.reduce(x, axis=None))
+    if limit <= top < math.inf or -math.inf < bottom <= -limit:
+        return max(top if top < math.inf else 0.0, -bottom if bottom > -math.inf else 0.0)
+    if top < math.inf and bottom > -math.inf:
+        return None
+    mags = np.abs(x[np.isfinite(x)])  # (an inf hides the finite extremes: look again)
+    big = float(mags.max(initial=0.0))
+    return big if big >= limit else None

@@ -102,27 +102,6 @@ class _Stored(NamedTuple):
     v_scale: np.ndarray | None
 
 
-#: the largest finite bfloat16, and the smallest float32 that rounds to bfloat16's inf
-#: (halfway between the two, a tie, rounds to the even one: inf)
-BF16_MAX = float(np.uint32(0x7F7F0000).view(np.float32))
-BF16_ROUNDS_TO_INF = float(np.uint32(0x7F7F8000).view(np.float32))
-
-
-def _beyond(x: np.ndarray, limit: float) -> float | None:
-    """The largest finite magnitude of x if it is ``limit`` or more, else None (one pass
-    for each extreme, NaN and inf ignored, in the usual case)."""
-    if x.size == 0:
-        return None
-    top, bottom = float(np.fmax.reduce(x, axis=None)), float(np.fmin.reduce(x, axis=None))
-    if limit <= top < math.inf or -math.inf < bottom <= -limit:
-        return max(top if top < math.inf else 0.0, -bottom if bottom > -math.inf else 0.0)
-    if top < math.inf and bottom > -math.inf:
-        return None
-    mags = np.abs(x[np.isfinite(x)])  # (an inf hides the finite extremes: look again)
-    big = float(mags.max(initial=0.0))
-    return big if big >= limit else None
-
-
 def _zeros_together(shapes: Sequence[tuple[tuple[int, ...], Any]]) -> list[np.ndarray]:
     """Zero arrays of these (shape, dtype)s, each on a 64-byte boundary of one buffer.
 
@@ -392,11 +371,11 @@ class KVCache:
             return stored
         if self.format == "bfloat16":
             for name, x in (("key", k), ("value", v)):
-                mag = _beyond(x, BF16_ROUNDS_TO_INF)
+                mag = _formats.largest_beyond(x, _formats.BF16_ROUNDS_TO_INF)
                 if mag is not None:
                     raise ValueError(
-                        f"a bfloat16 cache holds values up to {BF16_MAX:.6g} in magnitude "
-                        f"(float32 values from {BF16_ROUNDS_TO_INF:.6g} round to inf), and a "
+                        f"a bfloat16 cache holds values up to {_formats.BF16_MAX:.6g} in magnitude "
+                        f"(float32 values from {_formats.BF16_ROUNDS_TO_INF:.6g} round to inf), and a "
                         f"new {name} has magnitude {mag:.6g}; use a float32 cache")
         if self.format != "float16":
             return quantize(k, self.format), quantize(v, self.format)

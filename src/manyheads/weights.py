@@ -106,6 +106,7 @@ class Int8Weight:
         if not isinstance(g, (int, np.integer)) or isinstance(g, bool) or not 1 <= g <= max(k, 1):
             raise ValueError(f"group_size must be None or an int in [1, {k}], got {group_size!r}")
         g = max(int(g), 1)
+        check_storable(a, "int8")
         data, scales = _quantized(a, g)
         return cls(data, scales, g)
 
@@ -283,10 +284,31 @@ def weight_format(w: Any) -> str:
                     + (f" of dtype {dt}" if dt is not None else ""))
 
 
+def check_storable(a: np.ndarray, dtype: str, what: str = "w") -> None:
+    """ValueError where ``a`` stored as ``dtype`` would not stand for it: a finite value
+    that rounds to inf in float16 or bfloat16, or (int8) a value that is not finite,
+    whose scale would make every value of its column (or group) NaN."""
+    if a.dtype.name == dtype:
+        return
+    if dtype in ("float16", "bfloat16"):
+        top, limit = (_formats.F16_MAX, _formats.F16_ROUNDS_TO_INF) if dtype == "float16" \
+            else (_formats.BF16_MAX, _formats.BF16_ROUNDS_TO_INF)
+        mag = _formats.largest_beyond(a, limit)
+        if mag is not None:
+            raise ValueError(f"a {dtype} weight holds values up to {top:.6g} in magnitude, "
+                             f"and {what} has one of {mag:.6g}, which would be inf; keep "
+                             f"it in float32" + (" or bfloat16" if dtype == "float16" else ""))
+    elif dtype == "int8" and a.size and not np.isfinite(a).all():
+        raise ValueError(f"an int8 weight needs finite values (a NaN or inf would make its "
+                         f"column's scale, and every value of the column, NaN), and {what} "
+                         f"holds {a[~np.isfinite(a)].flat[0]}; keep it in a float format")
+
+
 def convert_weight(w: Any, dtype: str, group_size: int | None = None) -> Any:
     """``w`` (k, n) stored as ``dtype``: 'float32', 'bfloat16', 'float16' (ndarrays,
     rounded to nearest even) or 'int8' (an :class:`Int8Weight`, per-column scales or
-    groups of ``group_size`` rows)."""
+    groups of ``group_size`` rows).  ValueError where a value cannot be stored so
+    (:func:`check_storable`)."""
     if dtype not in WEIGHT_DTYPES:
         raise ValueError(f"weight dtype must be one of {', '.join(WEIGHT_DTYPES)}, "
                          f"got {dtype!r}")
@@ -294,7 +316,10 @@ def convert_weight(w: Any, dtype: str, group_size: int | None = None) -> Any:
         return Int8Weight.quantize(w, group_size)
     target = _formats.FORMATS[dtype].dtype
     a = np.asarray(w)
-    return np.ascontiguousarray(a if a.dtype == target else a.astype(target))
+    if a.dtype == target:
+        return np.ascontiguousarray(a)
+    check_storable(a, dtype)
+    return np.ascontiguousarray(a.astype(target))
 
 
 def join_columns(parts: list[Any], arena: WeightArena | None = None) -> Any:

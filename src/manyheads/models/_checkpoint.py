@@ -186,6 +186,7 @@ class TensorSource:
         for start in range(0, d_out, rows):
             cols = slice(start, min(start + rows, d_out))
             block = self._rows(name, cols.start, cols.stop).T
+            weights.check_storable(block, target, f"tensor {name!r}")
             if target == "int8":
                 values, scales[:, cols] = weights._quantized(block, max(d_in, 1))
                 weights._place_columns(blocked, start, values)
