@@ -343,7 +343,8 @@ def linear(x: Any, weight: Any, bias: Any = None, *, num_threads: int | None = N
             raise TypeError(f"x, weight and bias must share one dtype; got {xa.dtype}, "
                             f"{w.dtype}" + ("" if b is None else f", {b.dtype}"))
     elif xa.dtype != np.float32 or (b is not None and b.dtype != np.float32):
-        raise TypeError(f"a {fmt} weight needs float32 x and bias; got {xa.dtype}"
+        raise TypeError(f"{'an' if fmt == 'int8' else 'a'} {fmt} weight needs float32 x "
+                        f"and bias; got {xa.dtype}"
                         + ("" if b is None else f", {b.dtype}"))
     shape = w.shape
     if xa.ndim < 1 or len(shape) != 2 or xa.shape[-1] != shape[0]:
