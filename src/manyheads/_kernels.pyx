@@ -1855,4 +1855,3 @@ cdef class DecodeProgram:
         self.phases[n].ahead_bytes = min(READ_AHEAD_BYTES, ahead.k * ahead.w_row
                                          * mh_storage_bits(ahead.w_fmt) // 8) \
             if ahead != NULL else 0
-
