@@ -370,12 +370,13 @@ class KVCache:
                         f"{float(g.max()):.6g}; use an int8, bfloat16 or float32 cache")
             return stored
         if self.format == "bfloat16":
+            top, limit = _formats.BF16_MAX, _formats.BF16_ROUNDS_TO_INF
             for name, x in (("key", k), ("value", v)):
-                mag = _formats.largest_beyond(x, _formats.BF16_ROUNDS_TO_INF)
+                mag = _formats.largest_beyond(x, limit)
                 if mag is not None:
                     raise ValueError(
-                        f"a bfloat16 cache holds values up to {_formats.BF16_MAX:.6g} in magnitude "
-                        f"(float32 values from {_formats.BF16_ROUNDS_TO_INF:.6g} round to inf), and a "
+                        f"a bfloat16 cache holds values up to {top:.6g} in magnitude "
+                        f"(float32 values from {limit:.6g} round to inf), and a "
                         f"new {name} has magnitude {mag:.6g}; use a float32 cache")
         if self.format != "float16":
             return quantize(k, self.format), quantize(v, self.format)
