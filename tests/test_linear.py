@@ -145,8 +145,8 @@ def test_weights_in_their_own_precision_match_the_oracle(rng, fmt, rows):
 def test_int8_columns_past_the_last_whole_vector_get_the_vectors_bits(rng, group):
     """The first columns of an int8 weight give the same bits whatever the width (of
     those whose rows' sums the plan cuts along k alike: up to 8192 columns, 4096 with
-    grouped scales), so the ragged tail (summed as the padded vector that holds it) agrees with whole vectors,
-    special passes (inf, a tiny pass, zeros) included."""
+    grouped scales), so the ragged tail (summed as the padded vector that holds it)
+    agrees with whole vectors, special passes (inf, a tiny pass, zeros) included."""
     k, n = 45, 48
     full = mh.Int8Weight.quantize(rng.standard_normal((k, n)).astype(np.float32), group)
     x = rng.standard_normal((3, k)).astype(np.float32)
