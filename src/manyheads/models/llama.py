@@ -76,10 +76,10 @@ class DecoderAttention(Watched, MultiHeadAttention):
                  window: int | None = None, scale: float | None = None,
                  softcap: float | None = None,
                  qk_norm: tuple[np.ndarray, np.ndarray] | None = None,
-                 eps: float = 1e-6) -> None:
+                 eps: float = 1e-6, sinks: bool = False) -> None:
         super().__init__(d_model, num_heads * head_dim, context_length, 0.0, num_heads,
                          qkv_bias, num_kv_heads=num_kv_heads, window=window, scale=scale,
-                         softcap=softcap, seed=0)
+                         softcap=softcap, sinks=sinks, seed=0)
         self.W_out = np.zeros((num_heads * head_dim, d_model), dtype=np.float32)
         self.b_out = np.zeros(d_model, dtype=np.float32)
         self.rotary = rotary
@@ -186,6 +186,10 @@ class LlamaBlock(Watched):
         return [n for n in (self.norm_attn, self.norm_mlp, self.post_attn, self.post_mlp)
                 if n is not None]
 
+    def mlp_parameters(self) -> list[Any]:
+        return [a for a in (self.w_gate_up, self.w_down, self.b_gate_up, self.b_down)
+                if a is not None]
+
 
 class Llama(DecoderModel):
     """A Llama-family checkpoint (``model_type`` llama; SmolLM and TinyLlama use it too).
@@ -214,6 +218,7 @@ class Llama(DecoderModel):
     final_softcap_default: float | None = None
     rope_local_theta: tuple[str, float] | None = None  # Gemma 3's base of sliding layers
     default_theta = 10000.0
+    sinks = False              # a learned sink logit per head (gpt-oss), self_attn.sinks
 
     def __init__(self, cfg: dict[str, Any], ckpt: TensorSource) -> None:
         self._read_config(cfg)
@@ -242,12 +247,11 @@ class Llama(DecoderModel):
             attn = DecoderAttention(d, H, Hkv, D, self.context_length, self.qkv_bias,
                                     rotary=self.rotaries[self.layer_types[i]],
                                     window=self.windows[i], scale=self.scale,
-                                    softcap=self.attn_softcap, qk_norm=qk, eps=self.eps)
+                                    softcap=self.attn_softcap, qk_norm=qk, eps=self.eps,
+                                    sinks=self.sinks)
             self._read_attention(ckpt, p + "self_attn.", attn)
-            w_gu, b_gu, w_down, b_down = self._read_mlp(ckpt, p + "mlp.")
             norms = {k: self._norm(ckpt, p + name + ".weight", d) for k, name in norm_names.items()}
-            self.blocks.append(LlamaBlock(attn, norms, w_gu, b_gu, w_down, b_down, self.eps,
-                                          self.act))
+            self.blocks.append(self._block(ckpt, p, attn, norms))
         self.norm = self._norm(ckpt, f"{prefix}norm.weight", d)
 
     def _norm(self, ckpt: TensorSource, name: str, size: int) -> np.ndarray:
@@ -269,9 +273,17 @@ class Llama(DecoderModel):
             if attn.b_qkv is not None:
                 attn.b_qkv[...] = np.concatenate(
                     [ckpt.get(p + f"{n}_proj.bias", (w,)) for n, w in zip("qkv", widths)])
+        if attn.sinks is not None:
+            attn.sinks = ckpt.get(p + "sinks", (H,))
         attn.W_out = ckpt.linear(p + "o_proj.weight", H * D, d)
         if self.o_bias:
             attn.b_out[...] = ckpt.get(p + "o_proj.bias", (d,))
+
+    def _block(self, ckpt: TensorSource, p: str, attn: DecoderAttention,
+               norms: dict[str, np.ndarray]) -> Any:
+        """Layer ``p``'s block around ``attn``: its MLP read from the checkpoint."""
+        w_gu, b_gu, w_down, b_down = self._read_mlp(ckpt, p + "mlp.")
+        return LlamaBlock(attn, norms, w_gu, b_gu, w_down, b_down, self.eps, self.act)
 
     def _read_mlp(self, ckpt: TensorSource, p: str
                   ) -> tuple[Any, np.ndarray | None, Any, np.ndarray | None]:
@@ -395,7 +407,7 @@ class Llama(DecoderModel):
     def _describe(self) -> str:
         norm = "RMSNorm (1 + weight) before and after attention and MLP" if self.gemma \
             else "RMSNorm"
-        parts = [norm, f"{_ACT_NAMES[self.act]} MLP"]
+        parts = [norm, self._mlp_text()]
         used = sorted(set(self.layer_types))
         if self.rope_local_theta is None or len(used) == 1:
             parts.append(repr(self.rotaries[used[0]]))
@@ -413,6 +425,9 @@ class Llama(DecoderModel):
         if caps:
             parts.append(f"soft caps: {', '.join(caps)}")
         return ", ".join(parts)
+
+    def _mlp_text(self) -> str:
+        return f"{_ACT_NAMES[self.act]} MLP"
 
     def _decode_step(self, caches: list[KVCache], rows: int) -> CompiledStep | None:
         # Compiled also when threads were lately found without a core (the lean path
@@ -437,8 +452,8 @@ class Llama(DecoderModel):
     def parameters(self) -> list[np.ndarray]:
         ps = [self.head, self.norm] + ([] if self.embed is None else [self.embed])
         for b in self.blocks:
-            ps += [b.attn.W_qkv, b.attn.W_out, *b.norms(), b.w_gate_up, b.w_down]
-            ps += [a for a in (b.attn.b_qkv, b.b_gate_up, b.b_down) if a is not None]
+            ps += [b.attn.W_qkv, b.attn.W_out, *b.norms(), *b.mlp_parameters()]
+            ps += [a for a in (b.attn.b_qkv, b.attn.sinks) if a is not None]
             if b.attn.qk_norm is not None:
                 ps += list(b.attn.qk_norm)
             if self.o_bias:
