@@ -13,7 +13,9 @@ imported.  One file per architecture:
 * :mod:`manyheads.models.qwen3` - Qwen3 (per-head q/k RMSNorm);
 * :mod:`manyheads.models.gemma` - Gemma 2 and Gemma 3 text models (soft caps, norms
   around attention and MLP, alternating sliding and global layers, GELU-tanh);
-* :mod:`manyheads.models.phi3` - Phi-3 (fused qkv and gate/up projections).
+* :mod:`manyheads.models.phi3` - Phi-3 (fused qkv and gate/up projections);
+* :mod:`manyheads.models.gpt_oss` - gpt-oss (attention sinks, a mixture of experts,
+  float or MXFP4 expert weights).
 
 Reading checkpoints needs the ``models`` extra (``safetensors``; ``ml_dtypes`` for
 bfloat16 files; ``tokenizers`` for the ``generate`` command's text prompts, ``jinja2`` for
@@ -31,6 +33,7 @@ from ._decoder import DecoderModel
 from ._hub import resolve_checkpoint
 from .gemma import Gemma2, Gemma3
 from .gpt2 import GPT2
+from .gpt_oss import GptOss
 from .llama import Llama
 from .mistral import Mistral
 from .phi3 import Phi3
@@ -38,12 +41,12 @@ from .qwen2 import Qwen2
 from .qwen3 import Qwen3
 
 __all__ = ["from_pretrained", "DecoderModel", "GPT2", "Llama", "Mistral", "Qwen2", "Qwen3",
-           "Gemma2", "Gemma3", "Phi3", "ARCHITECTURES"]
+           "Gemma2", "Gemma3", "Phi3", "GptOss", "ARCHITECTURES"]
 
 #: model_type of config.json -> the class that runs it
 ARCHITECTURES: dict[str, type[Any]] = {
     "gpt2": GPT2, "llama": Llama, "mistral": Mistral, "qwen2": Qwen2, "qwen3": Qwen3,
-    "gemma2": Gemma2, "gemma3_text": Gemma3, "phi3": Phi3}
+    "gemma2": Gemma2, "gemma3_text": Gemma3, "phi3": Phi3, "gpt_oss": GptOss}
 
 #: model_types that are known but not run, and why
 REFUSED = {

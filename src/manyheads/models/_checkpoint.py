@@ -19,7 +19,7 @@ from typing import Any, Callable
 import numpy as np
 
 from .. import _formats, weights
-from ..weights import Int8Weight, WeightArena, convert_weight
+from ..weights import Int8Weight, WeightArena, convert_weight, join_columns
 
 __all__ = ["TensorSource", "Checkpoint", "ArrayTensors", "read_config", "config_int", "config_float",
            "require_package", "WEIGHT_DTYPES"]
@@ -116,6 +116,22 @@ _ITEM_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2":
                "BOOL": 1}
 
 
+# MXFP4 (OCP microscaling): 4-bit e2m1 codes (sign, two exponent bits, one mantissa bit)
+# and one power of two 2^(e - 127) a block of 32 values, as gpt-oss stores its experts
+FP4_VALUES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
+                       -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0], np.float32)
+
+
+def mxfp4_values(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    """MXFP4 rows as float32: ``blocks`` (..., G, 16) uint8, two codes a byte (the low
+    nibble first), ``scales`` (..., G) uint8 exponents; the result is (..., G * 32)."""
+    out = np.empty(blocks.shape[:-1] + (32,), np.float32)
+    out[..., 0::2] = FP4_VALUES[blocks & 0x0F]
+    out[..., 1::2] = FP4_VALUES[blocks >> 4]
+    out = np.ldexp(out, scales.astype(np.int32)[..., None] - 127)
+    return out.reshape(blocks.shape[:-2] + (-1,))
+
+
 def _is_count(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) and v >= 0
 
@@ -143,6 +159,54 @@ class TensorSource:
     def _rows(self, name: str, start: int, stop: int) -> np.ndarray:
         """Rows [start, stop) of tensor ``name`` in its stored float dtype."""
         return self._read(name)[start:stop]
+
+    def _byte_rows(self, name: str, start: int, stop: int) -> np.ndarray:
+        """Rows [start, stop) of a uint8 tensor (MXFP4's blocks and scales)."""
+        return np.asarray(self._read(name)[start:stop]).astype(np.uint8)
+
+    def _check_shape(self, name: str, want: tuple[int, ...]) -> None:
+        if name not in self:
+            raise ValueError(f"{self.origin} has no tensor {name!r}")
+        if self._shape(name) != want:
+            raise ValueError(f"tensor {name!r} has shape {self._shape(name)}, the config "
+                             f"implies {want}")
+
+    def experts(self, name: str, n: int, d_in: int, d_out: int,
+                columns: np.ndarray | None = None) -> list[Any]:
+        """The n weights for ``x @ W``, each (d_in, d_out), of stacked experts, stored as
+        :attr:`weight_dtype` (``auto``: the tensor's own precision; bfloat16 for MXFP4,
+        which holds its values exactly), one expert read at a time.  The tensor is
+        ``name`` (n, d_in, d_out) of floats, or MXFP4: ``name_blocks`` (n, d_out,
+        d_in / 32, 16) and ``name_scales`` (n, d_out, d_in / 32) (:func:`mxfp4_values`).
+        ``columns`` reorders each expert's columns."""
+        blocks, scales = name + "_blocks", name + "_scales"
+        mx = name not in self and blocks in self
+        if mx:
+            if d_in % 32:
+                raise ValueError(f"MXFP4 tensor {blocks!r}: {d_in} inputs are not whole "
+                                 "blocks of 32")
+            self._check_shape(blocks, (n, d_out, d_in // 32, 16))
+            self._check_shape(scales, (n, d_out, d_in // 32))
+        else:
+            self._check_shape(name, (n, d_in, d_out))
+        out = []
+        for e in range(n):
+            if mx:
+                w = mxfp4_values(self._byte_rows(blocks, e, e + 1)[0],
+                                 self._byte_rows(scales, e, e + 1)[0]).T
+                own = "bfloat16"
+            else:
+                w = self._rows(name, e, e + 1)[0]
+                own = w.dtype.name
+            target = self.weight_dtype
+            if target == "auto":
+                target = own if own in WEIGHT_DTYPES else "float32"
+            if columns is not None:
+                w = w[:, columns]
+            weights.check_storable(w, target, f"expert {e} of {name!r}")
+            stored = convert_weight(np.ascontiguousarray(w), target)
+            out.append(stored if self.arena is None else join_columns([stored], self.arena))
+        return out
 
     def get(self, name: str, shape: tuple[int, ...] | None = None) -> np.ndarray:
         """Tensor ``name`` as a float32 array; ValueError if absent or of another shape."""
@@ -328,13 +392,21 @@ class Checkpoint(TensorSource):
     def _shape(self, name: str) -> tuple[int, ...]:
         return self._tensors[name][2]
 
+    def _byte_rows(self, name: str, start: int, stop: int) -> np.ndarray:
+        if self._tensors[name][1] != "U8":
+            raise ValueError(f"tensor {name!r} has dtype {self._tensors[name][1]}; MXFP4 "
+                             "blocks and scales are U8")
+        return self._read_rows(name, start, stop, np.dtype(np.uint8))
+
     def _read(self, name: str) -> np.ndarray:
         shape = self._shape(name)
         return self._rows(name, 0, shape[0] if shape else 1).reshape(shape)
 
     def _rows(self, name: str, start: int, stop: int) -> np.ndarray:
+        return self._read_rows(name, start, stop, self._dtype(name))
+
+    def _read_rows(self, name: str, start: int, stop: int, dtype: np.dtype) -> np.ndarray:
         shard, _, shape, offset = self._tensors[name]
-        dtype = self._dtype(name)
         row = int(np.prod(shape[1:], dtype=np.int64)) if shape else 1
         out = np.empty((max(stop - start, 0),) + tuple(shape[1:]), dtype)
         f = self._files[shard]
