@@ -448,6 +448,18 @@ def test_join_columns_widens_mixed_float_formats_and_refuses_int8_with_floats(rn
     assert join_columns([b, np.ones((6, 1))]).dtype == np.float64
     with pytest.raises(TypeError, match="int8"):
         join_columns([mh.Int8Weight.quantize(rng.standard_normal((6, 3))), b])
+    with pytest.raises(ValueError, match="at least one weight"):
+        join_columns([])
+
+
+@pytest.mark.parametrize("fmt", ["float32", "bfloat16", "float16"])
+def test_a_group_size_is_refused_for_a_float_format(rng, fmt):
+    """group_size means int8 groups; a float format has no scales to group."""
+    pytest.importorskip("ml_dtypes")
+    from manyheads.weights import convert_weight
+    with pytest.raises(ValueError, match="group_size applies to int8 weights only"):
+        convert_weight(rng.standard_normal((8, 3)), fmt, group_size=2)
+    assert convert_weight(np.ones((8, 3)), "int8", group_size=2).group_size == 2
 
 
 @pytest.mark.parametrize("fmt", ["float32", "float64", "float16", "bfloat16", "int8"])

@@ -314,6 +314,9 @@ def convert_weight(w: Any, dtype: str, group_size: int | None = None) -> Any:
                          f"got {dtype!r}")
     if dtype == "int8":
         return Int8Weight.quantize(w, group_size)
+    if group_size is not None:
+        raise ValueError(f"group_size applies to int8 weights only; a {dtype} weight has "
+                         "no scales (leave group_size None)")
     target = _formats.FORMATS[dtype].dtype
     a = np.asarray(w)
     if a.dtype == target:
@@ -327,6 +330,8 @@ def join_columns(parts: list[Any], arena: WeightArena | None = None) -> Any:
     given).  Float weights of different formats (a checkpoint whose q, k and v were
     saved in different precisions, read in their own) are joined as float32 (float64
     if one is), which holds each exactly."""
+    if not parts:
+        raise ValueError("join_columns needs at least one weight to join, got none")
     if all(isinstance(p, Int8Weight) for p in parts):
         groups = {p.group_size for p in parts}
         ks = {p.shape[0] for p in parts}
