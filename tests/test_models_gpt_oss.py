@@ -30,9 +30,9 @@ CONFIG = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=64, num_hidden
               num_experts_per_tok=2, max_position_embeddings=256, sliding_window=8,
               swiglu_limit=1.5, initializer_range=0.2, tie_word_embeddings=False,
               rms_norm_eps=1e-5, bos_token_id=None, eos_token_id=None, pad_token_id=None,
-              rope_parameters=dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=64,
-                                   rope_theta=10000.0, beta_fast=32.0, beta_slow=1.0,
-                                   truncate=False))
+              rope_parameters=dict(rope_type="yarn", factor=4.0,
+                                   original_max_position_embeddings=64, rope_theta=10000.0,
+                                   beta_fast=32.0, beta_slow=1.0, truncate=False))
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -270,3 +270,28 @@ def test_the_sinks_change_the_logits(pair):
     for b in model.blocks:
         b.attn.sinks = np.full(4, -1e4, np.float32)  # no share for the sinks: softmax alone
     assert np.abs(model.logits(ids) - ref).max() > 1e-2 * np.abs(ref).max()
+
+
+def test_a_config_without_rotary_settings_takes_gpt_oss_yarn(tmp_path):
+    """transformers gives a gpt-oss config without rope_scaling or rope_parameters
+    YaRN x32 over 4096 positions (base 150000); so does manyheads."""
+    build(tmp_path, seed=5)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    del cfg["rope_parameters"]
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    hf = fresh_hf(tmp_path)
+    assert hf.config.rope_parameters["rope_type"] == "yarn"
+    model = from_pretrained(tmp_path)
+    assert "theta 150000 yarn x32" in repr(model)
+    ids = np.random.default_rng(5).integers(0, VOCAB, size=(1, 60))
+    assert_logits_close(model.logits(ids), hf_logits(hf, ids))
+
+
+def test_a_random_checkpoint_is_the_model_transformers_reads(tmp_path):
+    from manyheads.models.random import save_random_checkpoint
+    folder = save_random_checkpoint(tmp_path, "gpt_oss", seed=1, num_hidden_layers=3,
+                                    sliding_window=8)
+    model, hf = from_pretrained(folder), fresh_hf(folder)
+    ids = np.random.default_rng(6).integers(0, 320, size=(2, 40))
+    assert_logits_close(model.logits(ids), hf_logits(hf, ids))
+    np.testing.assert_array_equal(model.generate(ids[:, :10], 20), hf_greedy(hf, ids[:, :10], 20))

@@ -5,7 +5,9 @@ experts in place of the MLP.
   row's softmax and takes its share of the weight without a value
   (``softmax(cat(scores, sink))[..., :-1] @ v``, the kernels' ``sinks=``); layers
   alternating between a sliding window of ``sliding_window`` keys (128) and full
-  attention (``layer_types``, the first one sliding); YaRN rotary scaling.
+  attention (``layer_types``, the first one sliding); YaRN rotary scaling (a config
+  without rotary settings gets transformers' default for gpt-oss: YaRN x32 over 4096
+  positions, base 150000); ``head_dim`` 64 unless the config says.
 * Mixture of experts: a router (a linear layer with bias) scores the
   ``num_local_experts`` experts for each token; the ``num_experts_per_tok`` best are
   weighted by the softmax of their scores.  Each expert is ``down(glu) + b`` of
@@ -124,7 +126,11 @@ class GptOss(Llama):
     reads_layer_types = True
     window_default = 128
     sinks = True
+    head_dim_default = 64
     default_theta = 150000.0
+    # transformers' GptOssConfig without rope_scaling or rope_parameters (gpt-oss's own)
+    rope_default = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                    "truncate": False, "original_max_position_embeddings": 4096}
 
     def _read_config(self, cfg: dict[str, Any]) -> None:
         super()._read_config(cfg)
@@ -155,7 +161,8 @@ class GptOss(Llama):
         # interleaved gate, up columns -> gate columns, then up columns
         order = np.concatenate([np.arange(0, 2 * F, 2), np.arange(1, 2 * F, 2)])
         w_gu = ckpt.experts(m + "experts.gate_up_proj", E, d, 2 * F, order)
-        b_gu = np.ascontiguousarray(ckpt.get(m + "experts.gate_up_proj_bias", (E, 2 * F))[:, order])
+        b_gu = ckpt.get(m + "experts.gate_up_proj_bias", (E, 2 * F))
+        b_gu = np.ascontiguousarray(b_gu[:, order])
         w_down = ckpt.experts(m + "experts.down_proj", E, F, d)
         b_down = ckpt.get(m + "experts.down_proj_bias", (E, d))
         return ExpertsBlock(attn, norms, router, b_router, w_gu, b_gu, w_down, b_down,

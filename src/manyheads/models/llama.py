@@ -219,6 +219,7 @@ class Llama(DecoderModel):
     rope_local_theta: tuple[str, float] | None = None  # Gemma 3's base of sliding layers
     default_theta = 10000.0
     sinks = False              # a learned sink logit per head (gpt-oss), self_attn.sinks
+    rope_default: dict[str, Any] | None = None  # rotary settings of a config that gives none
 
     def __init__(self, cfg: dict[str, Any], ckpt: TensorSource) -> None:
         self._read_config(cfg)
@@ -361,6 +362,9 @@ class Llama(DecoderModel):
         family's sliding layers have their own, as Gemma 3's) and the context length
         the used ones allow."""
         local = self.rope_local_theta
+        if self.rope_default is not None and cfg.get("rope_scaling") is None and \
+                cfg.get("rope_parameters") is None:
+            cfg = {**cfg, "rope_parameters": dict(self.rope_default)}
         if local is None:
             one = Rotary(rope_parameters_of(cfg, default_theta=self.default_theta),
                          self.head_dim, max_position)

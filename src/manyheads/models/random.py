@@ -41,9 +41,18 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
     "gpt2": dict(vocab_size=320, n_embd=64, n_layer=2, n_head=4, n_positions=512,
                  layer_norm_epsilon=1e-5, activation_function="gelu_new",
                  tie_word_embeddings=False),
+    "gpt_oss": dict(vocab_size=320, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+                    num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                    num_local_experts=4, num_experts_per_tok=2,
+                    max_position_embeddings=131072, sliding_window=128, rms_norm_eps=1e-5,
+                    rope_theta=150000.0, rope_scaling=dict(
+                        rope_type="yarn", factor=32.0, beta_fast=32.0, beta_slow=1.0,
+                        truncate=False, original_max_position_embeddings=4096),
+                    attention_bias=True, swiglu_limit=7.0, tie_word_embeddings=False,
+                    hidden_act="silu"),
 }
 _ARCHITECTURE = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                 "gpt2": "GPT2LMHeadModel"}
+                 "gpt2": "GPT2LMHeadModel", "gpt_oss": "GptOssForCausalLM"}
 
 
 def _tensors(cfg: dict[str, Any], rng: np.random.Generator) -> dict[str, np.ndarray]:
@@ -81,8 +90,9 @@ def _tensors(cfg: dict[str, Any], rng: np.random.Generator) -> dict[str, np.ndar
         return t
     d, L, F = cfg["hidden_size"], cfg["num_hidden_layers"], cfg["intermediate_size"]
     H, Hkv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
-    D = d // H
+    D = cfg.get("head_dim") or d // H
     qkv_bias = cfg["model_type"] == "qwen2" or cfg.get("attention_bias", False)
+    experts = cfg["model_type"] == "gpt_oss"
     t["model.embed_tokens.weight"] = normal(V, d)
     for i in range(L):
         p = f"model.layers.{i}."
@@ -93,11 +103,22 @@ def _tensors(cfg: dict[str, Any], rng: np.random.Generator) -> dict[str, np.ndar
             if qkv_bias:
                 t[p + f"self_attn.{name}_proj.bias"] = normal(rows) * np.float32(0.1)
         t[p + "self_attn.o_proj.weight"] = normal(d, H * D, fan_in=H * D)
-        if cfg["model_type"] == "llama" and cfg.get("attention_bias", False):
+        if cfg["model_type"] != "qwen2" and cfg.get("attention_bias", False):
             t[p + "self_attn.o_proj.bias"] = normal(d) * np.float32(0.1)
-        t[p + "mlp.gate_proj.weight"] = normal(F, d, fan_in=d)
-        t[p + "mlp.up_proj.weight"] = normal(F, d, fan_in=d)
-        t[p + "mlp.down_proj.weight"] = normal(d, F, fan_in=F)
+        if not experts:
+            t[p + "mlp.gate_proj.weight"] = normal(F, d, fan_in=d)
+            t[p + "mlp.up_proj.weight"] = normal(F, d, fan_in=d)
+            t[p + "mlp.down_proj.weight"] = normal(d, F, fan_in=F)
+            continue
+        # gpt-oss: sinks, a router, and experts stored for x @ W, gate and up interleaved
+        E = cfg["num_local_experts"]
+        t[p + "self_attn.sinks"] = normal(H)
+        t[p + "mlp.router.weight"] = normal(E, d, fan_in=d)
+        t[p + "mlp.router.bias"] = normal(E) * np.float32(0.1)
+        t[p + "mlp.experts.gate_up_proj"] = normal(E, d, 2 * F, fan_in=d)
+        t[p + "mlp.experts.gate_up_proj_bias"] = normal(E, 2 * F) * np.float32(0.1)
+        t[p + "mlp.experts.down_proj"] = normal(E, F, d, fan_in=F)
+        t[p + "mlp.experts.down_proj_bias"] = normal(E, d) * np.float32(0.1)
     t["model.norm.weight"] = norm(d)
     if not cfg["tie_word_embeddings"]:
         t["lm_head.weight"] = normal(V, d, fan_in=d)
@@ -113,7 +134,7 @@ def save_random_checkpoint(path: str | os.PathLike[str], model_type: str = "llam
     ----------
     path : str or path-like
         The folder (created if needed).
-    model_type : {"llama", "qwen2", "gpt2"}
+    model_type : {"llama", "qwen2", "gpt2", "gpt_oss"}
     seed : int
     tokenizer : bool
         Also write a ``tokenizer.json``: the words of :data:`TOKENIZER_TEXT` (needs
