@@ -156,8 +156,10 @@ class TensorSource:
     def _shape(self, name: str) -> tuple[int, ...]:
         return tuple(self._read(name).shape)
 
-    def _rows(self, name: str, start: int, stop: int) -> np.ndarray:
-        """Rows [start, stop) of tensor ``name`` in its stored float dtype."""
+    def _rows(self, name: str, start: int, stop: int,
+              buf: np.ndarray | None = None) -> np.ndarray:
+        """Rows [start, stop) of tensor ``name`` in its stored float dtype (read into the
+        start of ``buf``, when given and the rows are read from a file)."""
         return self._read(name)[start:stop]
 
     def _byte_rows(self, name: str, start: int, stop: int) -> np.ndarray:
@@ -245,11 +247,12 @@ class TensorSource:
             dtype = _formats.FORMATS[target].dtype
             out = np.empty((d_in, d_out), dtype) if arena is None else \
                 arena.empty((d_in, d_out), dtype)
-        # whole blocks of the int8 order's columns at a time
+        # whole blocks of the int8 order's columns at a time, read into one buffer
         rows = max(16, _READ_BYTES // max(1, d_in * first.dtype.itemsize)) // 16 * 16
+        buf = np.empty((min(rows, d_out), d_in), first.dtype)
         for start in range(0, d_out, rows):
             cols = slice(start, min(start + rows, d_out))
-            block = self._rows(name, cols.start, cols.stop).T
+            block = self._rows(name, cols.start, cols.stop, buf).T
             weights.check_storable(block, target, f"tensor {name!r}")
             if target == "int8":
                 values, scales[:, cols] = weights._quantized(block, max(d_in, 1))
@@ -402,13 +405,20 @@ class Checkpoint(TensorSource):
         shape = self._shape(name)
         return self._rows(name, 0, shape[0] if shape else 1).reshape(shape)
 
-    def _rows(self, name: str, start: int, stop: int) -> np.ndarray:
-        return self._read_rows(name, start, stop, self._dtype(name))
+    def _rows(self, name: str, start: int, stop: int,
+              buf: np.ndarray | None = None) -> np.ndarray:
+        return self._read_rows(name, start, stop, self._dtype(name), buf)
 
-    def _read_rows(self, name: str, start: int, stop: int, dtype: np.dtype) -> np.ndarray:
+    def _read_rows(self, name: str, start: int, stop: int, dtype: np.dtype,
+                   buf: np.ndarray | None = None) -> np.ndarray:
         shard, _, shape, offset = self._tensors[name]
         row = int(np.prod(shape[1:], dtype=np.int64)) if shape else 1
-        out = np.empty((max(stop - start, 0),) + tuple(shape[1:]), dtype)
+        n = max(stop - start, 0)
+        if buf is not None and buf.dtype == dtype and buf.shape[1:] == tuple(shape[1:]) \
+                and buf.shape[0] >= n and buf.flags.c_contiguous:
+            out = buf[:n]
+        else:
+            out = np.empty((n,) + tuple(shape[1:]), dtype)
         f = self._files[shard]
         f.seek(offset + start * row * dtype.itemsize)
         if f.readinto(out.reshape(-1).view(np.uint8)) != out.nbytes:
