@@ -424,6 +424,12 @@ void mh_rotate_heads(float *x, int64_t B, int64_t H, int64_t T, int64_t sb, int6
 void mh_gated_rows(const float *gu, int64_t rows, int64_t F, int64_t gu_row, int gelu,
                    float *out, int64_t out_row,
                    void (*exp_f32)(const float *x, float *y, int64_t n));
+/* gpt-oss's clamped SwiGLU of each row's halves g and u (gu, m x 2F): with gc =
+   min(g, limit), gc * sigmoid(alpha gc) * (clamp(u, -limit, limit) + 1) (gc * 0
+   where exp(-alpha gc) would overflow), by the kernel path's exp. */
+void mh_clamped_gated_rows(const float *gu, int64_t rows, int64_t F, int64_t gu_row,
+                           float alpha, float limit, float *out, int64_t out_row,
+                           void (*exp_f32)(const float *x, float *y, int64_t n));
 
 /* A barrier for the n threads of one parallel region that spins instead of sleeping
    (a compiled decoding step meets at it hundreds of times a token, a few microseconds

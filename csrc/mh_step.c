@@ -109,6 +109,38 @@ void mh_gated_rows(const float *gu, int64_t rows, int64_t F, int64_t gu_row, int
     }
 }
 
+void mh_clamped_gated_rows(const float *gu, int64_t rows, int64_t F, int64_t gu_row,
+                           float alpha, float limit, float *out, int64_t out_row,
+                           void (*exp_f32)(const float *x, float *y, int64_t n))
+{
+    for (int64_t i = 0; i < rows; ++i) {
+        const float *g = gu + i * gu_row, *u = g + F;
+        float *o = out + i * out_row;
+        /* exp(-alpha min(g, limit)), its argument clamped where it would overflow (NaN
+           stays NaN: every comparison below is false for it) */
+        for (int64_t j = 0; j < F; ++j) {
+            const float gc = g[j] > limit ? limit : g[j], na = -alpha * gc;
+            o[j] = na < 88.0f ? na : 88.0f;
+        }
+        if (F) exp_f32(o, o, F);
+        /* gc / (1 + exp(-alpha gc)) * (clamp(u, -limit, limit) + 1); gc * 0 where the
+           argument was clamped (or is NaN), both taken and one kept by a mask */
+        for (int64_t j = 0; j < F; ++j) {
+            const float gc = g[j] > limit ? limit : g[j];
+            const float uc = (u[j] < -limit ? -limit : u[j] > limit ? limit : u[j]) + 1.0f;
+            const float sig = gc / (1.0f + o[j]), lim = gc * 0.0f;
+            const uint32_t keep = 0u - (uint32_t)(-alpha * gc < 88.0f);
+            uint32_t bs, bl;
+            float r;
+            memcpy(&bs, &sig, 4);
+            memcpy(&bl, &lim, 4);
+            bs = (bs & keep) | (bl & ~keep);
+            memcpy(&r, &bs, 4);
+            o[j] = r * uc;
+        }
+    }
+}
+
 /* A waiting thread spins for MH_SPIN_SECONDS, longer than a phase's imbalance on a
    quiet machine, then yields its core at every turn (a thread of the team without a
    core gets one back soon); a wait longer than MH_LONG_WAIT_SECONDS is counted. */

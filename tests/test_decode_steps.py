@@ -95,6 +95,46 @@ def test_gelu_tanh_times_up_matches_its_definition(rng):
     assert np.isnan(got).all()
 
 
+@pytest.mark.parametrize("alpha, limit", [(1.702, 7.0), (1.0, 0.5)])
+def test_clamped_swiglu_matches_transformers_gpt_oss_gate(rng, alpha, limit):
+    """gpt-oss's (clip(up, -l, l) + 1) * g sigmoid(alpha g), g = min(gate, l), in one
+    compiled pass, against transformers' own module in float64 where it has one (and
+    the formula in float64 otherwise), including the clamps, where exp(-alpha g)
+    overflows (-0.0 times up + 1) and NaN."""
+    F = 43
+    gu = (rng.standard_normal((3, 2 * F)) * 6).astype(np.float32)
+    gu[0, :8] = [-1e30, -100, -51.8, -51.6, 0, 6.9, 7.1, np.inf]
+    gu[1, F:F + 4] = [-np.inf, -7.5, 7.5, np.inf]
+    g = np.minimum(gu[:, :F].astype(np.float64), limit)
+    u = np.clip(gu[:, F:].astype(np.float64), -limit, limit) + 1
+    with np.errstate(over="ignore"):
+        want = g / (1 + np.exp(-alpha * g)) * u
+    try:
+        import torch
+        from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
+    except ImportError:  # (the formula alone, without the test extra)
+        GptOssExperts = None
+    if GptOssExperts is not None:
+        from types import SimpleNamespace
+        cfg = SimpleNamespace(intermediate_size=F, num_local_experts=1, hidden_size=1,
+                              swiglu_alpha=alpha, swiglu_limit=limit)
+        inter = np.empty((3, 2 * F))  # transformers' interleaved gate, up columns
+        inter[:, ::2], inter[:, 1::2] = gu[:, :F], gu[:, F:]
+        ref = GptOssExperts(cfg)._apply_gate(torch.from_numpy(inter)).numpy()
+        np.testing.assert_allclose(ref, want, rtol=1e-12, atol=1e-300)
+    out = np.empty((3, F), np.float32)
+    _kernels.clamped_gated_mul(gu, out, alpha, limit)
+    np.testing.assert_allclose(out, want, rtol=2e-6, atol=1e-30)
+    assert out[0, 0] == 0 and np.signbit(out[0, 0])  # -1e30: -0.0 times a positive up + 1
+    edge = np.array([[np.nan, 1.0, 1.0, np.nan]], np.float32)
+    got = np.empty((1, 2), np.float32)
+    _kernels.clamped_gated_mul(edge, got, alpha, limit)
+    assert np.isnan(got).all()  # NaN gate, NaN up: NaN, as transformers' clamps keep it
+    with pytest.raises(ValueError, match="clamped_gated_mul"):
+        _kernels.clamped_gated_mul(np.ones((2, 6), np.float32), np.empty((2, 2), np.float32),
+                                   alpha, limit)
+
+
 def test_the_compiled_steps_check_their_arguments():
     with pytest.raises(ValueError, match="shapes"):
         _kernels.rms_norm_rows(np.ones((2, 3), np.float32), np.ones(4, np.float32), 1e-5,

@@ -295,3 +295,44 @@ def test_a_random_checkpoint_is_the_model_transformers_reads(tmp_path):
     ids = np.random.default_rng(6).integers(0, 320, size=(2, 40))
     assert_logits_close(model.logits(ids), hf_logits(hf, ids))
     np.testing.assert_array_equal(model.generate(ids[:, :10], 20), hf_greedy(hf, ids[:, :10], 20))
+
+
+def test_the_decode_steps_are_the_general_step_bit_for_bit(pair, monkeypatch):
+    """A decoding step of one token a row takes the blocks' lean path: the attention
+    through DecoderAttention.decode (sinks included) and the experts one row at a time.
+    Its logits are those of the general module path exactly, in every cache format (int4
+    with heads of 32), through the sliding layers' rings (11 + 10 tokens, windows of 8)
+    and for two rows at once."""
+    from manyheads.models import gpt_oss, llama
+
+    _, _, model = pair
+    used = {"lean": 0}
+    lean_attention = llama.DecoderAttention.decode
+
+    def counted_lean(self, *args, **kwargs):
+        out = lean_attention(self, *args, **kwargs)
+        used["lean"] += out is not None
+        return out
+
+    ids = np.stack([np.arange(11), np.arange(11)[::-1] * 3]) % VOCAB
+
+    def steps(cache_dtype, rows):
+        caches = model.new_caches(rows, 21, cache_dtype)
+        z = model.logits(ids[:rows], caches=caches, last_only=True)
+        out = []
+        for _ in range(10):
+            z = model.logits(np.argmax(z[:, -1], axis=-1)[:, None], caches=caches,
+                             last_only=True)
+            out.append(z)
+        return out
+
+    formats = [None, "float16", "bfloat16", "int8", "int4"]
+    monkeypatch.setattr(llama.DecoderAttention, "decode", counted_lean)
+    lean = [steps(f, r) for f in formats for r in (1, 2)]
+    assert used["lean"] == 10 * 2 * len(formats) * model.num_layers
+    monkeypatch.setattr(gpt_oss.ExpertsBlock, "decode", None)
+    general = [steps(f, r) for f in formats for r in (1, 2)]
+    assert used["lean"] == 10 * 2 * len(formats) * model.num_layers
+    for a_steps, b_steps in zip(lean, general):
+        for a, b in zip(a_steps, b_steps):
+            np.testing.assert_array_equal(a, b)

@@ -377,12 +377,13 @@ def attention(
 def decode_call(q: np.ndarray, k: np.ndarray, v: np.ndarray, k_scale: np.ndarray | None,
                 v_scale: np.ndarray | None, *, scale: float, causal_offset: int | None,
                 window: int | None, softcap: float | None, num_threads: int,
-                out: np.ndarray) -> Any:
+                out: np.ndarray, sinks: np.ndarray | None = None) -> Any:
     """One decoding step's attention over a cache, planned and with its operands set
     but not run, without :func:`attention`'s general layout work: float32 queries q
     (B, Hq, L, E) (a strided view of the projection), the cache's keys and values
     (B, Hkv, S, x) in their storage format (int8 and int4 with their scales) and out
-    (B, Hq, L, Ev), a view; no mask, weights or dropout.  None when the plan does not
+    (B, Hq, L, Ev), a view; optionally each query head's sink logit (Hq,) float32; no
+    mask, weights or dropout.  None when the plan does not
     serve the query heads of a kv head together (the layout laid out here) or there is
     nothing to attend; :func:`attention` then takes the call."""
     kv_fmt = _format(k, k_scale is not None)
@@ -412,16 +413,20 @@ def decode_call(q: np.ndarray, k: np.ndarray, v: np.ndarray, k_scale: np.ndarray
     call.set_scale(float(scale))
     if softcap is not None:
         call.set_softcap(float(softcap))
+    if sinks is not None:  # (laid out as the queries)
+        view = _broadcast(np.asarray(sinks, np.float32)[:, None, None], (B, Hq, 1, 1))
+        call.set_sinks(_split_axis(view, 1, gqa) if grouped else view, 3 if grouped else 2)
     return call
 
 
 def attend_decode(q: np.ndarray, k: np.ndarray, v: np.ndarray, k_scale: np.ndarray | None,
                   v_scale: np.ndarray | None, *, scale: float, causal_offset: int | None,
                   window: int | None, softcap: float | None, num_threads: int,
-                  out: np.ndarray) -> bool:
+                  out: np.ndarray, sinks: np.ndarray | None = None) -> bool:
     """:func:`decode_call`, run; False (nothing done) where that gives None."""
     call = decode_call(q, k, v, k_scale, v_scale, scale=scale, causal_offset=causal_offset,
-                       window=window, softcap=softcap, num_threads=num_threads, out=out)
+                       window=window, softcap=softcap, num_threads=num_threads, out=out,
+                       sinks=sinks)
     if call is None:
         return False
     call.run(_on_main_thread())

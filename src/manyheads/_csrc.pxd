@@ -178,6 +178,9 @@ cdef extern from "mh_kernels.h" nogil:
     void mh_gated_rows(const float *gu, int64_t rows, int64_t F, int64_t gu_row, int gelu,
                        float *out, int64_t out_row,
                        void (*exp_f32)(const float *x, float *y, int64_t n) noexcept nogil)
+    void mh_clamped_gated_rows(const float *gu, int64_t rows, int64_t F, int64_t gu_row,
+                               float alpha, float limit, float *out, int64_t out_row,
+                               void (*exp_f32)(const float *x, float *y, int64_t n) noexcept nogil)
     ctypedef struct mh_team_barrier_t:
         long count, gen
     int mh_team_barrier(mh_team_barrier_t *b, int n)

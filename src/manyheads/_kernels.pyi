@@ -163,6 +163,10 @@ def gated_mul(gu: npt.NDArray[np.float32], out: npt.NDArray[np.float32],
     """out = act(g) * u for the halves (g, u) of each row of gu (m, 2 F); out (m, F);
     act SiLU, or GELU's tanh form with ``gelu``."""
 
+def clamped_gated_mul(gu: npt.NDArray[np.float32], out: npt.NDArray[np.float32],
+                      alpha: float, limit: float) -> None:
+    """out = gpt-oss's clamped SwiGLU of the halves (g, u) of each row of gu (m, 2 F)."""
+
 def contended() -> bool:
     """Whether threads were found without a core less than CONTENDED_SECONDS ago."""
 

@@ -1394,6 +1394,19 @@ def gated_mul(const float[:, ::1] gu, float[:, ::1] out, bint gelu=False):
                           out.shape[1], _table.exp_f32)
 
 
+def clamped_gated_mul(const float[:, ::1] gu, float[:, ::1] out, float alpha, float limit):
+    """gpt-oss's clamped SwiGLU row by row: with g and u the two halves of each row of gu
+    (m, 2 F) and gc = min(g, limit), out (m, F) = ``gc / (1 + exp(-alpha gc)) *
+    (clip(u, -limit, limit) + 1)``, exp by the current path's vector exp (gc * 0 where
+    exp(-alpha gc) would overflow, as float32 arithmetic gives there; NaN stays NaN)."""
+    if gu.shape[0] != out.shape[0] or gu.shape[1] != 2 * out.shape[1]:
+        raise ValueError("clamped_gated_mul: gu must be (m, 2 F) for out (m, F)")
+    if gu.shape[0] and out.shape[1]:
+        with nogil:
+            mh_clamped_gated_rows(&gu[0, 0], gu.shape[0], out.shape[1], gu.shape[1], alpha,
+                                  limit, &out[0, 0], out.shape[1], _table.exp_f32)
+
+
 # ---- a compiled decoding step: every layer of one token in one parallel region ----------
 
 cdef struct LayerStep:

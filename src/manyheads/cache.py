@@ -430,7 +430,7 @@ class KVCache:
 
     def _decode_attend(self, q: np.ndarray, k_new: np.ndarray, v_new: np.ndarray, *,
                        scale: float, softcap: float | None, num_threads: int,
-                       out: np.ndarray) -> bool:
+                       out: np.ndarray, sinks: np.ndarray | None = None) -> bool:
         """A module's decoding step without padding: append one token's keys and values
         (B, Hkv, 1, D) and write its queries' (B, Hq, 1, D) attention over everything
         cached into ``out``, as :meth:`CacheStep.attend` does, with less per-call work
@@ -440,27 +440,30 @@ class KVCache:
             return False
         with _Held(self):  # (the module has checked the room: check_compatible)
             self._decode_into(q, k_new, v_new, scale=scale, softcap=softcap,
-                              num_threads=num_threads, out=out)
+                              num_threads=num_threads, out=out, sinks=sinks)
             self._len += 1
         return True
 
     def _decode_into(self, q: np.ndarray, k_new: np.ndarray, v_new: np.ndarray,
                      heads: slice = slice(None), *, scale: float, softcap: float | None,
-                     num_threads: int, out: np.ndarray) -> None:
+                     num_threads: int, out: np.ndarray,
+                     sinks: np.ndarray | None = None) -> None:
         """The body of :meth:`_decode_attend`, the cache held and without padding: store
         one token's keys and values of kv heads ``heads``, write its queries' attention
-        into ``out``; the length is the caller's to advance."""
+        (with ``sinks``, float32 (Hq,), those sink logits) into ``out``; the length is
+        the caller's to advance."""
         slot, n, offset, window = self._decode_slot()
         self._store(heads, slice(slot, slot + 1), k_new, v_new)
         st = self._stored(heads, slice(0, n))
         if not _core.attend_decode(q, st.k, st.v, st.k_scale, st.v_scale, scale=scale,
                                    causal_offset=offset, window=window, softcap=softcap,
-                                   num_threads=num_threads, out=out):
+                                   num_threads=num_threads, out=out, sinks=sinks):
+            features = None if softcap is None and sinks is None else \
+                (softcap, sinks, None, False)
             _core.attention(q, st.k, st.v, k_scale=st.k_scale, v_scale=st.v_scale,
                             causal_offset=offset, window=window, scale=scale,
                             num_threads=num_threads, out=out,
-                            enable_gqa=q.shape[1] != st.k.shape[1],
-                            features=None if softcap is None else (softcap, None, None, False))
+                            enable_gqa=q.shape[1] != st.k.shape[1], features=features)
 
     def _decode_slot(self) -> tuple[int, int, int | None, int | None]:
         """Where one more token goes and what it attends: (its slot, the slots attended

@@ -29,6 +29,9 @@ from typing import Any
 
 import numpy as np
 
+from .. import _kernels
+from .._config import resolve_num_threads
+from .._kernels import FEW_ROWS
 from ..cache import KVCache
 from ._checkpoint import TensorSource, config_float, config_int
 from ._decoder import project, rms_norm
@@ -66,6 +69,21 @@ class ExpertsBlock(Watched):
         x += self.experts(rms_norm(x, self.norm_mlp, self.eps))
         return x
 
+    def decode(self, x: np.ndarray, cache: KVCache) -> np.ndarray:
+        """One decoding step (x (B, 1, d), no padding): the attention on the lean path of
+        :meth:`DecoderAttention.decode` (or the general one where that declines)."""
+        B = x.shape[0]
+        if B > FEW_ROWS or x.dtype != np.float32:
+            return self(x, cache, None)
+        x2 = x.reshape(B, -1)
+        a = self.attn.decode(rms_norm(x2, self.norm_attn, self.eps), cache,
+                             resolve_num_threads(None))
+        if a is None:
+            return self(x, cache, None)
+        x2 += a
+        x2 += self.experts(rms_norm(x2, self.norm_mlp, self.eps))
+        return x2.reshape(x.shape)
+
     def route(self, h: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """The experts each row of h (N, d) takes, (N, top_k) best first, and their
         weights, the softmax of their router scores (N, top_k) float32."""
@@ -85,7 +103,13 @@ class ExpertsBlock(Watched):
         h = np.ascontiguousarray(h.reshape(-1, shape[-1]))
         chosen, weights = self.route(h)
         out = np.zeros_like(h)
-        for e in np.unique(chosen):
+        if h.shape[0] == 1:  # a decoding step: as below, with less indexing
+            for slot in np.argsort(chosen[0], kind="stable").tolist():
+                y = self._expert(h, int(chosen[0, slot]))
+                y *= weights[0, slot]
+                out += y
+            return out.reshape(shape)
+        for e in np.unique(chosen):  # (in the order of the experts, as transformers)
             rows, slot = np.nonzero(chosen == e)  # (a row takes an expert at most once)
             y = self._expert(h[rows], int(e))
             y *= weights[rows, slot][:, None]
@@ -95,19 +119,9 @@ class ExpertsBlock(Watched):
     def _expert(self, h: np.ndarray, e: int) -> np.ndarray:
         """Expert e's output for the rows h (n, d)."""
         gu = project(h, self.w_gate_up[e], self.b_gate_up[e])
-        F = self.d_ff
-        gate, up = gu[:, :F], gu[:, F:]
-        np.minimum(gate, self.limit, out=gate)
-        np.clip(up, -self.limit, self.limit, out=up)
-        up += np.float32(1)
-        # gate * sigmoid(alpha * gate) = gate / (1 + exp(-alpha * gate))
-        t = gate * -self.alpha
-        with np.errstate(over="ignore"):  # exp -> inf: the product goes to -0, as it should
-            np.exp(t, out=t)
-        t += np.float32(1)
-        up *= gate
-        up /= t
-        return project(np.ascontiguousarray(up), self.w_down[e], self.b_down[e])
+        act = np.empty((gu.shape[0], self.d_ff), np.float32)
+        _kernels.clamped_gated_mul(gu, act, self.alpha, self.limit)
+        return project(act, self.w_down[e], self.b_down[e])
 
     def norms(self) -> list[np.ndarray]:
         return [self.norm_attn, self.norm_mlp]

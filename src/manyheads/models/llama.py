@@ -104,7 +104,7 @@ class DecoderAttention(Watched, MultiHeadAttention):
         step needs the general path."""
         B = h.shape[0]
         self._check_cache_call(cache, None, B, 1)
-        if cache._any_padding or self.sinks is not None or self.alibi_slopes is not None:
+        if cache._any_padding or self.alibi_slopes is not None:
             return None
         H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
         qkv = project_rows(h, prepared(self, "W_qkv"), self.b_qkv, num_threads)
@@ -116,7 +116,8 @@ class DecoderAttention(Watched, MultiHeadAttention):
         merged = np.empty((B, H * D), dtype=np.float32)
         scale = 1.0 / np.sqrt(D) if self.scale is None else self.scale
         done = cache._decode_attend(q, k, v, scale=scale, softcap=self.softcap,
-                                   num_threads=num_threads, out=merged.reshape(B, H, 1, D))
+                                   num_threads=num_threads, out=merged.reshape(B, H, 1, D),
+                                   sinks=self.sinks)
         assert done  # (the cache's padding was checked above)
         return project_rows(merged, prepared(self, "W_out"), self.b_out, num_threads)
 
