@@ -336,3 +336,14 @@ def test_the_decode_steps_are_the_general_step_bit_for_bit(pair, monkeypatch):
     for a_steps, b_steps in zip(lean, general):
         for a, b in zip(a_steps, b_steps):
             np.testing.assert_array_equal(a, b)
+
+
+def test_a_rows_experts_are_the_same_alone_or_in_a_batch(pair):
+    """One row's experts (a decoding step: each half's products in one parallel region)
+    give the bits the batch's loop over experts gives that row."""
+    _, _, model = pair
+    block = model.blocks[1]
+    h = np.random.default_rng(9).standard_normal((6, 64)).astype(np.float32)
+    batch = block.experts(h)
+    for i in range(6):
+        np.testing.assert_array_equal(block.experts(h[i:i + 1]), batch[i:i + 1])
