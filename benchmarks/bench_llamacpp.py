@@ -8,6 +8,17 @@ pieces up to the config's 49152 with unused ``[PAD]`` tokens).  The converter wr
 as GGUF in F32, F16 and Q8_0; manyheads loads the safetensors with ``from_pretrained``
 at the matching ``weight_dtype`` (float32, bfloat16 against F16, int8 against Q8_0).
 
+``--family gpt_oss`` takes a gpt-oss-shaped checkpoint instead (gpt-oss-20b at a quarter
+of its width and a third of its depth: 8 layers, d=768, 16 heads of 64, 2 key/value
+heads, 32 experts of 768 of which 4 a token, sinks, sliding and full layers in turn,
+vocabulary 32000) with float experts, and a tiny byte-level BPE ``tokenizer.json``;
+llama.cpp's converter would refuse its pre-tokenizer, whose hash it does not know, so
+it runs with its answer set to gpt-oss's own (``gpt-4o``).  The prompt is token ids
+either way.  Its YaRN rounds its correction range (``truncate``), as llama.cpp always
+does, so that both engines compute the same model.  A token reads only its experts'
+weights, so the decode bound counts every other weight and top_k / num_experts of the
+experts' (the average share).
+
 Every measurement runs in a fresh process, so its peak RSS is the whole process: the
 interpreter, the library, loading the weights and generating.  Each process runs the
 workload twice and reports the second run (the first warms the caches and thread
@@ -38,7 +49,8 @@ stops.  docs/guide/llamacpp.md shows how to set that up.
 
     python benchmarks/bench_llamacpp.py --convert LLAMA_CPP/convert_hf_to_gguf.py \\
         --llama-python VENV/bin/python [--rounds 3] [--layers 30] [--out DIR] \\
-        [--bandwidth GBPS] [--out-results benchmarks/results/llamacpp.txt]
+        [--bandwidth GBPS] [--out-results benchmarks/results/llamacpp.txt] \\
+        [--family gpt_oss]
 """
 from __future__ import annotations
 
@@ -67,6 +79,20 @@ PRECISIONS = (("float32", "f32", "float32 / F32"),
 
 #: GGUF token types (llama.cpp's llama_token_type) that a prompt may use.
 _NORMAL, _UNUSED = 1, 5
+
+#: gpt-oss-20b (d 2880, 24 layers, 64 heads, 8 kv heads, 32 experts of 2880, 4 a token,
+#: vocabulary 201088) at about a quarter of its width (768: whole Q8_0 blocks of 32) and
+#: a third of its depth
+GPT_OSS_SMALL = dict(vocab_size=32000, hidden_size=768, intermediate_size=768,
+                     num_hidden_layers=8, num_attention_heads=16, num_key_value_heads=2,
+                     head_dim=64, num_local_experts=32, num_experts_per_tok=4,
+                     sliding_window=128,
+                     # (truncate: llama.cpp's YaRN always rounds its correction range out
+                     # to whole dimensions, gpt-oss's own setting false does not: with
+                     # it llama.cpp computed a model 1e-3 (relative) off transformers')
+                     rope_scaling=dict(rope_type="yarn", factor=32.0, beta_fast=32.0,
+                                       beta_slow=1.0, truncate=True,
+                                       original_max_position_embeddings=4096))
 
 
 def _proc_status_mib(key: str) -> float | None:
@@ -229,12 +255,35 @@ def worker(job: dict[str, Any]) -> dict[str, Any]:
         with open(os.path.join(job["folder"], "tokenizer.model"), "wb") as f:
             f.write(buf.getvalue())
         return {"pieces": spm.SentencePieceProcessor(model_proto=buf.getvalue()).vocab_size()}
+    if task == "bpe_tokenizer":
+        import tokenizers as tk
+        tok = tk.Tokenizer(tk.models.BPE())
+        tok.pre_tokenizer = tk.pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tok.decoder = tk.decoders.ByteLevel()
+        trainer = tk.trainers.BpeTrainer(
+            vocab_size=job["vocab"], show_progress=False,
+            initial_alphabet=tk.pre_tokenizers.ByteLevel.alphabet())
+        tok.train_from_iterator(job["sentences"], trainer=trainer)
+        tok.save(os.path.join(job["folder"], "tokenizer.json"))
+        with open(os.path.join(job["folder"], "tokenizer_config.json"), "w") as f:
+            json.dump({"tokenizer_class": "PreTrainedTokenizerFast"}, f)
+        return {"pieces": tok.get_vocab_size()}
+    if task == "convert":  # the converter with its pre-tokenizer answer set (see above)
+        import runpy
+        sys.path.insert(0, os.path.dirname(os.path.abspath(job["script"])))
+        from conversion import base  # (llama.cpp's converter package, as of 0.3.36)
+        base.TextModel.get_vocab_base_pre = lambda self, tokenizer: job["pre"]
+        sys.argv = [job["script"], *job["argv"]]
+        runpy.run_path(job["script"], run_name="__main__")
+        return {}
     if task == "inspect":
         import gguf
         reader = gguf.GGUFReader(job["gguf"])
         field = reader.fields["tokenizer.ggml.token_type"]
         types = [int(field.parts[i][0]) for i in field.data]
         return {"tensor_bytes": sum(int(t.n_bytes) for t in reader.tensors),
+                "expert_bytes": sum(int(t.n_bytes) for t in reader.tensors
+                                    if "_exps" in t.name),
                 "tensor_types": sorted({t.tensor_type.name for t in reader.tensors}),
                 "token_types": types}
 
@@ -254,7 +303,7 @@ def worker(job: dict[str, Any]) -> dict[str, Any]:
 
         def run() -> list[Any]:
             return list(_greedy_llama(llm, llama_cpp, job["prompt"], new))
-        weight_bytes = None
+        weight_bytes = expert_bytes = None
     else:
         import manyheads as mh
         from manyheads.models import from_pretrained
@@ -268,10 +317,14 @@ def worker(job: dict[str, Any]) -> dict[str, Any]:
         def run() -> list[Any]:
             return list(_greedy_manyheads(model, job["prompt"], new))
         weight_bytes = sum(int(p.nbytes) for p in model.parameters())
+        expert_bytes = sum(int(w.nbytes) for b in model.blocks
+                           for ws in (getattr(b, "w_gate_up", None), getattr(b, "w_down", None))
+                           if isinstance(ws, list) for w in ws)
     runs = [run() for _ in range(repeats)]
     prefill, decode, tokens = runs[-1]
     result = {"load_s": load, "prefill_s": prefill, "decode_s": decode, "tokens": tokens,
-              "weight_bytes": weight_bytes, "rss_import_mib": rss_import,
+              "weight_bytes": weight_bytes, "expert_bytes": expert_bytes,
+              "rss_import_mib": rss_import,
               "rss_load_mib": rss_load, "peak_rss_mib": peak_rss_mib(),
               "rss_end_mib": rss_mib()}
     if new > 1:  # after the memory figures: the read-rate buffer is not the engine's
@@ -299,11 +352,16 @@ def run_worker(python: str, job: dict[str, Any]) -> dict[str, Any]:
 # -- the benchmark -------------------------------------------------------------------
 
 
-def convert(python: str, script: str, folder: str, outtype: str, out: str) -> None:
-    """llama.cpp's converter: the checkpoint ``folder`` to GGUF ``out`` in ``outtype``."""
+def convert(python: str, script: str, folder: str, outtype: str, out: str,
+            pre: str | None = None) -> None:
+    """llama.cpp's converter: the checkpoint ``folder`` to GGUF ``out`` in ``outtype``
+    (with ``pre``: its pre-tokenizer taken to be that one)."""
     part = out + ".part"  # renamed when whole: a later run never reuses a broken file
-    proc = subprocess.run([python, script, folder, "--outtype", outtype, "--outfile", part],
-                          capture_output=True, text=True)
+    argv = [folder, "--outtype", outtype, "--outfile", part]
+    cmd = [python, script, *argv] if pre is None else [
+        python, os.path.abspath(__file__), "--worker",
+        json.dumps({"task": "convert", "script": script, "argv": argv, "pre": pre})]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0 or not os.path.isfile(part):
         raise RuntimeError(f"convert_hf_to_gguf.py --outtype {outtype} failed "
                            f"(exit {proc.returncode}):\n{proc.stderr[-3000:]}")
@@ -320,7 +378,10 @@ def main() -> int:
                     help="interpreter with llama_cpp and the converter's needs "
                          "(default: this one)")
     ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds (medians)")
-    ap.add_argument("--layers", type=int, default=30, help="fewer for a quick look")
+    ap.add_argument("--family", choices=("llama", "gpt_oss"), default="llama",
+                    help="the checkpoint's shape: SmolLM2-135M (llama) or a small gpt-oss")
+    ap.add_argument("--layers", type=int, help="fewer for a quick look (default 30 for "
+                                               "llama, 8 for gpt_oss)")
     ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument("--new", type=int, default=64)
     ap.add_argument("--long-prompt", type=int, default=2048,
@@ -377,12 +438,18 @@ def main() -> int:
     load_start = load_average()
     folder = args.out or tempfile.mkdtemp(prefix="bench-llamacpp-")
     ckpt = os.path.join(folder, "checkpoint")
-    cfg = dict(SMOLLM2_135M, num_hidden_layers=args.layers)
+    oss = args.family == "gpt_oss"
+    if args.layers is None:
+        args.layers = 8 if oss else 30
+    cfg = dict(GPT_OSS_SMALL if oss else SMOLLM2_135M, num_hidden_layers=args.layers)
     if not os.path.isfile(os.path.join(ckpt, "model.safetensors")):
         note("writing the random checkpoint")
-        save_random_checkpoint(ckpt, "llama", seed=0, **cfg)
-    if not os.path.isfile(os.path.join(ckpt, "tokenizer.model")):
-        sentences = [s.strip() for s in TOKENIZER_TEXT.split(".") if s.strip()]
+        save_random_checkpoint(ckpt, args.family, seed=0, **cfg)
+    sentences = [s.strip() for s in TOKENIZER_TEXT.split(".") if s.strip()]
+    if oss and not os.path.isfile(os.path.join(ckpt, "tokenizer.json")):
+        run_worker(args.llama_python, {"task": "bpe_tokenizer", "folder": ckpt,
+                                       "sentences": sentences, "vocab": 300})
+    if not oss and not os.path.isfile(os.path.join(ckpt, "tokenizer.model")):
         run_worker(args.llama_python, {"task": "tokenizer", "folder": ckpt,
                                        "sentences": sentences, "vocab": args.tokenizer_vocab})
     ggufs, inspected = {}, {}
@@ -390,12 +457,14 @@ def main() -> int:
         ggufs[outtype] = os.path.join(folder, f"model-{outtype}.gguf")
         if not os.path.isfile(ggufs[outtype]):
             note(f"converting to GGUF {outtype}")
-            convert(args.llama_python, args.convert, ckpt, outtype, ggufs[outtype])
+            convert(args.llama_python, args.convert, ckpt, outtype, ggufs[outtype],
+                    "gpt-4o" if oss else None)
         inspected[outtype] = run_worker(args.llama_python,
                                         {"task": "inspect", "gguf": ggufs[outtype]})
 
     token_types = np.asarray(inspected["f32"]["token_types"])
-    allowed = np.flatnonzero((token_types == _NORMAL) | (token_types == _UNUSED))
+    # (the BPE tokenizer's padding is user-defined [PAD] tokens: normal ones only)
+    allowed = np.flatnonzero((token_types == _NORMAL) | ((token_types == _UNUSED) & (not oss)))
     rng = np.random.default_rng(1)
     prompt = rng.choice(allowed, size=args.prompt).tolist()
     long_prompt = rng.choice(allowed, size=args.long_prompt).tolist()
@@ -460,12 +529,20 @@ def main() -> int:
         f"torch {v['torch']}, transformers {v['transformers']}, "
         f"sentencepiece {v['sentencepiece']})")
     say(f"llama.cpp {probe['system']}")
-    say(f"SmolLM2-135M-shaped Llama, random weights (seed 0): {args.layers} layers, d 576, "
-        "9 heads, 3 kv heads, MLP 1536, vocab 49152, tied embeddings")
-    pieces = int(np.count_nonzero(token_types != _UNUSED))
-    say(f"tokenizer: SentencePiece BPE of {pieces} pieces; llama.cpp's converter padded "
-        f"its vocabulary to {len(token_types)} with "
-        f"{int(np.count_nonzero(token_types == _UNUSED))} unused [PAD] tokens")
+    if oss:
+        say(f"gpt-oss-shaped model, random weights (seed 0): {args.layers} layers, d 768, "
+            "16 heads of 64, 2 kv heads, 32 experts of 768 (4 a token), sinks, window 128 "
+            "in every other layer, vocab 32000; float experts")
+        pieces = int(np.count_nonzero(token_types == _NORMAL))
+        say(f"tokenizer: byte-level BPE of {pieces} pieces (llama.cpp's converter told its "
+            f"pre-tokenizer is gpt-4o, gpt-oss's own); padded to {len(token_types)}")
+    else:
+        say(f"SmolLM2-135M-shaped Llama, random weights (seed 0): {args.layers} layers, "
+            "d 576, 9 heads, 3 kv heads, MLP 1536, vocab 49152, tied embeddings")
+        pieces = int(np.count_nonzero(token_types != _UNUSED))
+        say(f"tokenizer: SentencePiece BPE of {pieces} pieces; llama.cpp's converter padded "
+            f"its vocabulary to {len(token_types)} with "
+            f"{int(np.count_nonzero(token_types == _UNUSED))} unused [PAD] tokens")
     say(f"{args.threads} threads each; llama.cpp n_batch = n_ubatch = {args.n_batch}, "
         f"KV cache {args.kv}, flash attention {'on' if args.flash_attn else 'off'}; "
         "manyheads float32 KV cache")
@@ -537,14 +614,23 @@ def main() -> int:
                  "run (" + ", ".join(f"{b:.1f}" for b in bandwidths) + f"; {args.threads} "
                  "threads each reducing its share of a 1 GiB array with NumPy's sum and max, "
                  "as the main benchmark measures it)")
+    share = cfg["num_experts_per_tok"] / cfg["num_local_experts"] if oss else 1.0
+
+    def active(total: float, experts: float | None) -> float:
+        """Bytes a decoded token reads: its share of the experts, every other weight."""
+        return total - (1 - share) * (experts or 0.0)
+
     say("decode against the memory-bandwidth bound (each decoded token reads every weight "
-        "once):")
+        + ("once, of the experts its own: on average top_k / num_experts of their bytes):"
+           if oss else "once):"))
     say(f"  {'precision':<16}{'engine':<12}{'MB/token':>10}{'decode tok/s':>14}"
         f"{'GB/s read':>11}{'read beside':>13}{'of it':>7}{'bound tok/s':>13}"
         f"{'of bound':>10}")
     for _, outtype, label in PRECISIONS:
-        per_token = {"llama.cpp": float(inspected[outtype]["tensor_bytes"]),
-                     "manyheads": med(label, "manyheads", "weight_bytes")}
+        per_token = {"llama.cpp": active(float(inspected[outtype]["tensor_bytes"]),
+                                         float(inspected[outtype]["expert_bytes"])),
+                     "manyheads": active(med(label, "manyheads", "weight_bytes"),
+                                         med(label, "manyheads", "expert_bytes"))}
         for engine in engines:
             rounds = results[(label, engine)]
             bound = decode_bound(per_token[engine], bandwidth)
@@ -556,7 +642,8 @@ def main() -> int:
                 f"{of_rate_beside(per_token[engine], steps, rounds):7.0%}"
                 f"{bound:13.1f}{dec / bound:10.0%}")
     say("  MB/token: the bytes of every weight held (the tied embedding matrix is the "
-        "output head); GB/s read: decode tok/s times MB/token, the rate at which the "
+        "output head" + ("; the experts' at their average share" if oss else "")
+        + "); GB/s read: decode tok/s times MB/token, the rate at which the "
         "engine streamed its weights.  read beside: in each round's process, after the "
         f"measured runs, a third run's decode between two readings of {BESIDE_BYTES >> 20} "
         f"MiB ({args.threads} threads, NumPy's max, best of 3 each), their mean (median "
