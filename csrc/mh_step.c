@@ -70,6 +70,22 @@ static inline float mh_gate_arg(float g, int gelu)
     return gelu ? (g * g * 0.044715f + 1.0f) * g * 1.5957691216057308f : g;
 }
 
+/* g / (1 + e), e = exp(-a), where exp's argument was not clamped (`kept`), else the
+   limit g * 0 (NaN for an infinite g): both taken, one kept by a mask, so that the
+   loops around it run on whole vectors. */
+static inline float mh_gate_times_sigmoid(float g, float e, int kept)
+{
+    const float sig = g / (1.0f + e), lim = g * 0.0f;
+    const uint32_t keep = 0u - (uint32_t)kept;
+    uint32_t bs, bl;
+    float r;
+    memcpy(&bs, &sig, 4);
+    memcpy(&bl, &lim, 4);
+    bs = (bs & keep) | (bl & ~keep);
+    memcpy(&r, &bs, 4);
+    return r;
+}
+
 /* One row of mh_gated_rows; gelu a constant where it is inlined, and no branch in
    either loop, so that both run on whole vectors. */
 static inline void mh_gated_row(const float *g, const float *u, int64_t F, const int gelu,
@@ -82,18 +98,9 @@ static inline void mh_gated_row(const float *g, const float *u, int64_t F, const
     }
     if (F) exp_f32(o, o, F);
     /* g / (1 + exp(-a)) * u; where the argument was clamped (or is NaN) the limit
-       g * 0 * u instead (NaN for an infinite g or u): both taken, one kept by a mask */
-    for (int64_t j = 0; j < F; ++j) {
-        const float sig = g[j] / (1.0f + o[j]), lim = g[j] * 0.0f;
-        const uint32_t keep = 0u - (uint32_t)(-mh_gate_arg(g[j], gelu) < 88.0f);
-        uint32_t bs, bl;
-        float r;
-        memcpy(&bs, &sig, 4);
-        memcpy(&bl, &lim, 4);
-        bs = (bs & keep) | (bl & ~keep);
-        memcpy(&r, &bs, 4);
-        o[j] = r * u[j];
-    }
+       g * 0 * u instead (NaN for an infinite g or u) */
+    for (int64_t j = 0; j < F; ++j)
+        o[j] = mh_gate_times_sigmoid(g[j], o[j], -mh_gate_arg(g[j], gelu) < 88.0f) * u[j];
 }
 
 void mh_gated_rows(const float *gu, int64_t rows, int64_t F, int64_t gu_row, int gelu,
@@ -124,19 +131,11 @@ void mh_clamped_gated_rows(const float *gu, int64_t rows, int64_t F, int64_t gu_
         }
         if (F) exp_f32(o, o, F);
         /* gc / (1 + exp(-alpha gc)) * (clamp(u, -limit, limit) + 1); gc * 0 where the
-           argument was clamped (or is NaN), both taken and one kept by a mask */
+           argument was clamped (or is NaN) */
         for (int64_t j = 0; j < F; ++j) {
             const float gc = g[j] > limit ? limit : g[j];
             const float uc = (u[j] < -limit ? -limit : u[j] > limit ? limit : u[j]) + 1.0f;
-            const float sig = gc / (1.0f + o[j]), lim = gc * 0.0f;
-            const uint32_t keep = 0u - (uint32_t)(-alpha * gc < 88.0f);
-            uint32_t bs, bl;
-            float r;
-            memcpy(&bs, &sig, 4);
-            memcpy(&bl, &lim, 4);
-            bs = (bs & keep) | (bl & ~keep);
-            memcpy(&r, &bs, 4);
-            o[j] = r * uc;
+            o[j] = mh_gate_times_sigmoid(gc, o[j], -alpha * gc < 88.0f) * uc;
         }
     }
 }

@@ -267,14 +267,19 @@ CHANGES = [
 @pytest.mark.parametrize("family, change", CHANGES,
                          ids=[f"{f}-{next(iter(c))}" for f, c in CHANGES])
 def test_each_setting_changes_the_logits(family, change, tmp_path):
-    hf = build(family, tmp_path, seed=1)
+    assert_a_change_moves_the_logits(build(family, tmp_path, seed=1), tmp_path, change)
+
+
+def assert_a_change_moves_the_logits(hf, folder, change):
+    """The model saved in ``folder`` gives transformers' logits; with ``change`` made
+    in its config.json, logits at least 1% (of the largest) away."""
     ids = np.random.default_rng(3).integers(0, VOCAB, size=(1, 100))
     ref = hf_logits(hf, ids)
-    assert_logits_close(from_pretrained(tmp_path).logits(ids), ref)
-    cfg = json.loads((tmp_path / "config.json").read_text())
+    assert_logits_close(from_pretrained(folder).logits(ids), ref)
+    cfg = json.loads((folder / "config.json").read_text())
     cfg.update(change)
-    (tmp_path / "config.json").write_text(json.dumps(cfg))
-    changed = from_pretrained(tmp_path).logits(ids)
+    (folder / "config.json").write_text(json.dumps(cfg))
+    changed = from_pretrained(folder).logits(ids)
     assert np.abs(changed - ref).max() > 1e-2 * np.abs(ref).max()
 
 
