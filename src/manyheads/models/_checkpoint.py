@@ -129,7 +129,7 @@ _FP4_PAIRS = np.stack([FP4_VALUES[np.arange(256) & 0x0F], FP4_VALUES[np.arange(2
 def mxfp4_values(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
     """MXFP4 rows as float32: ``blocks`` (..., G, 16) uint8, two codes a byte (the low
     nibble first), ``scales`` (..., G) uint8 exponents; the result is (..., G * 32)."""
-    out = _FP4_PAIRS[blocks].reshape(blocks.shape[:-1] + (32,))
+    out: np.ndarray = _FP4_PAIRS[blocks].reshape(blocks.shape[:-1] + (32,))
     np.ldexp(out, scales.astype(np.int32)[..., None] - 127, out=out)
     return out.reshape(blocks.shape[:-2] + (-1,))
 
