@@ -248,7 +248,7 @@ typedef void (*mh_merge_fn)(const mh_attn_args *args, int64_t pair, void *scratc
 
 /* A dense projection out = x @ w (+ bias), row-major, strides in elements:
    x (m, k), w (k, n), bias (n,) or NULL, out (m, n).  Work items:
-   - few rows (m <= MH_FEW_ROWS): column blocks of tile_n columns (at most
+   - few rows (m <= MH_LINEAR_ROWS): column blocks of tile_n columns (at most
      MH_LINEAR_BLOCK_BYTES of sums a row) times chunks of k_chunk rows of w, computed
      by the ISA kernels (mh_linear_rows_fn), memory-bound: w is streamed once; a
      narrow w is cut along k, so that each item reads one contiguous run of it, and
@@ -258,6 +258,10 @@ typedef void (*mh_merge_fn)(const mh_attn_args *args, int64_t pair, void *scratc
    Every output element is summed over k in the same order whatever the
    tiling and thread count, so results are reproducible bit for bit. */
 #define MH_LINEAR_BLOCK_BYTES 32768 /* of a row of w per few-rows block (4 rows' sums: 128 KiB) */
+/* Rows the few-rows product takes at once (more: groups of up to this many, each
+   reading w again).  Above MH_FEW_ROWS a block's columns go through in two halves,
+   so that the sums of every row stay within the same 128 KiB. */
+#define MH_LINEAR_ROWS 8
 /* what a few-rows pass asks for ahead of its reads (mh_linear_impl.h, FN(pass_cols)) */
 #define MH_PASS_AHEAD_NONE 0
 #define MH_PASS_AHEAD_ROWS 1 /* a line of each of the next pass's rows at a time */

@@ -74,7 +74,7 @@ def test_from_transformers_refuses_other_models():
 @pytest.mark.parametrize("weight_dtype", ["bfloat16", "int8"])
 def test_a_gpt2_checkpoint_in_another_precision(hf_model, tmp_path, weight_dtype):
     """GPT-2's Conv1D weights are stored (in, out): they load in any weight_dtype too, as
-    the same model with its weights rounded, and nothing else (a prompt of more than 16
+    the same model with its weights rounded, and nothing else (a prompt of more than 32
     tokens: fewer rows of int8 also round x, as decoding does; see test_linear)."""
     pytest.importorskip("ml_dtypes")
     from manyheads import Int8Weight
@@ -94,7 +94,7 @@ def test_a_gpt2_checkpoint_in_another_precision(hf_model, tmp_path, weight_dtype
         b.attn.W_qkv, b.attn.W_out = rounded(b.attn.W_qkv), rounded(b.attn.W_out)
         b.fc, b.proj = (rounded(b.fc[0]), b.fc[1]), (rounded(b.proj[0]), b.proj[1])
     ref.head = rounded(ref.head)
-    ids = np.random.default_rng(3).integers(0, ours.vocab_size, size=(1, 20))
+    ids = np.random.default_rng(3).integers(0, ours.vocab_size, size=(1, 40))
     want = ref.logits(ids)
     np.testing.assert_allclose(ours.logits(ids), want, rtol=0,
                                atol=1e-5 * np.abs(want).max())

@@ -203,11 +203,11 @@ def test_stored_weights_give_the_same_bits_on_any_thread_count(rng, fmt, rows, k
 
 
 @pytest.mark.parametrize("fmt", ["float32", "bfloat16", "int8"])
-@pytest.mark.parametrize("rows", [5, 8, 9, 16, 17])
+@pytest.mark.parametrize("rows", [5, 8, 9, 16, 17, 32, 33])
 def test_a_few_rows_more_than_one_pass_holds_run_in_groups_of_rows(rng, fmt, rows):
-    """Up to 8 rows (16 with weights stored in another format, which BLAS would have
-    widened) run the few-rows product on groups of up to four rows: every row the bits
-    it gets alone; more rows go through BLAS.  Both within float32 rounding of the
+    """Up to 32 rows run the few-rows product on groups of up to eight rows (each
+    weight vector loaded once for a group's rows): every row the bits it gets alone;
+    more rows go through BLAS.  Both within float32 rounding of the
     oracle on the values the weight stands for."""
     k, n = 200, 1040
     x = rng.standard_normal((rows, k)).astype(np.float32)
@@ -223,9 +223,9 @@ def test_a_few_rows_more_than_one_pass_holds_run_in_groups_of_rows(rng, fmt, row
     plan = _kernels.explain_linear(rows, k, n, 2, weight_format=fmt)
     grouped = rows <= (_kernels.LINEAR_GROUPED_NATIVE_ROWS if fmt == "float32"
                        else _kernels.LINEAR_GROUPED_ROWS)
-    assert grouped == (rows <= (8 if fmt == "float32" else 16))
+    assert grouped == (rows <= 32)
     if grouped:
-        assert plan["path"] == "few rows" and plan["row_groups"] == -(-rows // 4)
+        assert plan["path"] == "few rows" and plan["row_groups"] == -(-rows // 8)
         for r in range(rows):
             np.testing.assert_array_equal(got[r], mh.linear(x[r], w, b, num_threads=1))
         xs = _int8_passes_rounded(x, w.group_size) if fmt == "int8" else x
@@ -234,6 +234,30 @@ def test_a_few_rows_more_than_one_pass_holds_run_in_groups_of_rows(rng, fmt, row
         xs = x
     ref = xs.astype(np.float64) @ values.astype(np.float64) + b
     np.testing.assert_allclose(got, ref, rtol=0, atol=2e-4)
+
+
+@pytest.mark.parametrize("fmt", ["float32", "bfloat16", "int8", "int8/32"])
+def test_a_group_of_rows_wider_than_its_sums_goes_through_in_parts(rng, fmt):
+    """Above FEW_ROWS rows a block's sums hold half as many columns a row: a block wider
+    than that goes through a part of its columns at a time.  Every row keeps the bits
+    it gets alone, and the product stays within rounding of the oracle."""
+    rows, k, n = 7, 72, 5003
+    x = rng.standard_normal((rows, k)).astype(np.float32)
+    w32 = rng.standard_normal((k, n)).astype(np.float32)
+    b = rng.standard_normal(n).astype(np.float32)
+    if fmt.startswith("int8"):
+        w = mh.Int8Weight.quantize(w32, None if fmt == "int8" else int(fmt[5:]))
+        values, xs = w.dequantize(), _int8_passes_rounded(x, w.group_size)
+    else:
+        w = w32 if fmt == "float32" else _stored(w32, fmt)
+        values, xs = w.astype(np.float32), x
+    got = mh.linear(x, w, b, num_threads=2)
+    assert _kernels.explain_linear(rows, k, n, 2, weight_format=fmt.split("/")[0],
+                                   grouped=fmt == "int8/32")["path"] == "few rows"
+    for r in range(rows):
+        np.testing.assert_array_equal(got[r], mh.linear(x[r], w, b, num_threads=1))
+    ref = xs.astype(np.float64) @ values.astype(np.float64) + b
+    np.testing.assert_allclose(got, ref, rtol=0, atol=1e-4)
 
 
 def test_stored_weights_are_read_in_place_from_strided_views(rng):
@@ -320,7 +344,9 @@ def test_gather_columns_gives_the_embedding_rows_of_token_ids(rng, fmt):
 @pytest.mark.parametrize("fmt", ["bfloat16", "float16", "int8"])
 def test_a_module_runs_on_stored_projection_weights(rng, fmt):
     """MultiHeadAttention's W_qkv and W_out may be replaced by stored weights: the module
-    is then the module with the values those weights stand for."""
+    is then the module with the values those weights stand for (40 rows: fewer rows of
+    int8 weights also round x, as test_weights_in_their_own_precision_match_the_oracle
+    checks)."""
     stored = mh.MultiHeadAttention(64, num_heads=4, num_kv_heads=2, seed=3)
     plain = mh.MultiHeadAttention(64, num_heads=4, num_kv_heads=2, seed=3)
     for name in ("W_qkv", "W_out"):
@@ -328,13 +354,13 @@ def test_a_module_runs_on_stored_projection_weights(rng, fmt):
         w = mh.Int8Weight.quantize(w) if fmt == "int8" else _stored(w, fmt)
         setattr(stored, name, w)
         setattr(plain, name, w.dequantize() if fmt == "int8" else w.astype(np.float32))
-    x = rng.standard_normal((2, 9, 64)).astype(np.float32)
+    x = rng.standard_normal((2, 20, 64)).astype(np.float32)
     np.testing.assert_allclose(stored(x), plain(x), rtol=0, atol=1e-5)
     caches = [m.new_cache(2, 12) for m in (stored, plain)]
     for m, c in zip((stored, plain), caches):
         m(x[:, :8], cache=c)
-    np.testing.assert_allclose(stored(x[:, 8:], cache=caches[0]),
-                               plain(x[:, 8:], cache=caches[1]), rtol=0, atol=1e-5)
+    np.testing.assert_allclose(stored(x[:, 8:9], cache=caches[0]),
+                               plain(x[:, 8:9], cache=caches[1]), rtol=0, atol=1e-5)
 
 
 @pytest.mark.parametrize("fmt", ["float32", "bfloat16", "int8"])

@@ -468,7 +468,7 @@ def linear(x: np.ndarray, w: Any, bias: np.ndarray | None, num_threads: int) -> 
     x, bias and the result share one float dtype; w is of that dtype, or (float32)
     float16, bfloat16 or an :class:`~manyheads.weights.Int8Weight`, read in place and
     widened as the kernels load it.  Runs on manyheads' threads: a few rows (decode;
-    up to 8 or, with weights in another format, 16 rows in groups of up to four)
+    up to 32 rows, in groups of up to eight)
     through the kernels' own memory-bound product, more rows as BLAS tiles (see
     ``_blas``; other weight formats are widened a stripe of columns at a time).  The
     result is the same bits for any thread count.

@@ -9,6 +9,7 @@ cdef extern from "mh_kernels.h" nogil:
         MH_BLOCK_Q
         MH_BLOCK_K
         MH_FEW_ROWS
+        MH_LINEAR_ROWS
         MH_SCRATCH_ALIGN
         MH_LINEAR_BLOCK_BYTES
         MH_I4_GROUP

@@ -392,15 +392,15 @@ cdef int64_t STRIPE_BYTES = 1 << 20  # widened weights per stripe of the more-ro
 LINEAR_K_CHUNKS = min(8, max(2, os.cpu_count() or 1))
 cdef int64_t _k_chunks = LINEAR_K_CHUNKS
 cdef int64_t LINEAR_K_ROWS = 32      # ... of at least this many rows
-# up to this many rows: the few-rows product on groups of up to FEW_ROWS rows, each
-# group reading w once; more rows through BLAS.  A BLAS call on so few rows copies the
-# weights it reads into its own layout, every call, and weights stored in another
-# format are widened for it first: on 2 threads, 576 x 3072 with 8 rows took 1.2-3.2 ms
-# through BLAS, 0.3-0.9 ms as two 4-row groups (float32, bfloat16 and int8 weights); 16
-# rows took 0.6-1.2 ms against 1.4-1.8 ms with bfloat16 and int8 weights, but 1.4-1.7
-# ms against 1.2-1.3 ms with float32 ones (which BLAS reads as they are)
-LINEAR_GROUPED_ROWS = 16         # weights in a stored format (float32 x)
-LINEAR_GROUPED_NATIVE_ROWS = 8   # weights of x's own type
+# up to this many rows: the few-rows product on groups of up to MH_LINEAR_ROWS rows,
+# each group reading w once; more rows through BLAS.  A BLAS call on so few rows copies
+# the weights it reads into its own layout, every call, and weights stored in another
+# format are widened for it first.  With each weight vector loaded once for a group's
+# rows (FN(pass_rows)), on an Intel Xeon with 2 threads and 768 x 1536 weights: float32
+# 16 rows 264 us against 609 through BLAS, 32 rows 477 against 1027; bfloat16 32 rows
+# 441 us against 622 as widened stripes.  At 64 rows BLAS and the stripes were ahead.
+LINEAR_GROUPED_ROWS = 32         # weights in a stored format (float32 x)
+LINEAR_GROUPED_NATIVE_ROWS = 32  # weights of x's own type
 cdef double LINEAR_READ_WEIGHT = 8   # a few-rows multiply-add against the planner's unit
 
 
@@ -423,7 +423,7 @@ cdef LinearPlan _plan_linear(int64_t m, int64_t k, int64_t n, int num_threads, i
     p.tile_m = p.tile_n = 0
     p.k_chunk = k
     p.chunks = 1
-    if m <= MH_FEW_ROWS:
+    if m <= MH_LINEAR_ROWS:
         limit = MH_LINEAR_BLOCK_BYTES // (2 * itemsize if grouped else itemsize)
         p.tile_m = m
         if n <= limit and k >= 2 * LINEAR_K_ROWS:
@@ -480,7 +480,8 @@ cdef LinearPlan _plan_linear(int64_t m, int64_t k, int64_t n, int num_threads, i
     # compute-bound calls the serial thresholds were set for: a 576 x 576 product
     # already runs 1.4-1.5 times as fast on two threads
     p.threads = _clamp_threads(num_threads, p.n_items,
-                               <double>m * k * n * (LINEAR_READ_WEIGHT if m <= MH_FEW_ROWS else 1))
+                               <double>m * k * n *
+                               (LINEAR_READ_WEIGHT if m <= MH_LINEAR_ROWS else 1))
     return p
 
 
@@ -491,11 +492,11 @@ def explain_linear(int64_t m, int64_t k, int64_t n, int num_threads, int itemsiz
     per work item."""
     cdef bint widened = weight_format not in ("float32", "float64")
     cdef int64_t groups = 1
-    if MH_FEW_ROWS < m <= (LINEAR_GROUPED_ROWS if widened else LINEAR_GROUPED_NATIVE_ROWS):
-        groups = (m + MH_FEW_ROWS - 1) // MH_FEW_ROWS
+    if MH_LINEAR_ROWS < m <= (LINEAR_GROUPED_ROWS if widened else LINEAR_GROUPED_NATIVE_ROWS):
+        groups = (m + MH_LINEAR_ROWS - 1) // MH_LINEAR_ROWS
         m = (m + groups - 1) // groups  # the largest group's rows
     cdef LinearPlan p = _plan_linear(m, k, n, num_threads, itemsize, grouped, widened)
-    path = "few rows" if m <= MH_FEW_ROWS else ("widened stripes" if widened else "BLAS tiles")
+    path = "few rows" if m <= MH_LINEAR_ROWS else ("widened stripes" if widened else "BLAS tiles")
     return {"path": path, "work_items": p.n_items, "tile": (p.tile_m, p.tile_n),
             "k_chunk": p.k_chunk, "threads": p.threads, "row_groups": groups}
 
@@ -777,7 +778,7 @@ def linear(x, w, bias, out, int num_threads, bint check_signals=False, int w_fmt
     (ceil(k / group), n), contiguous; int8 values are (k, n padded to a multiple of 16)
     in the kernels' blocked order, ``Int8Weight``'s storage).  x, w and out have
     contiguous rows (row strides are read from the arrays; n from out's).  Up to
-    FEW_ROWS rows: the kernels' own product, reading w once; up to LINEAR_GROUPED_ROWS
+    MH_LINEAR_ROWS (8) rows: the kernels' own product, reading w once; up to LINEAR_GROUPED_ROWS
     (w stored in another format) or LINEAR_GROUPED_NATIVE_ROWS (w of x's type) rows:
     that product on groups of rows; more rows need the BLAS set by :func:`set_blas`.
     """
@@ -809,10 +810,10 @@ def linear(x, w, bias, out, int num_threads, bint check_signals=False, int w_fmt
     if a.m == 0 or a.n == 0:
         return
     native = a.w_fmt == MH_STORE_F32 or a.w_fmt == MH_STORE_F64
-    if MH_FEW_ROWS < a.m <= (LINEAR_GROUPED_NATIVE_ROWS if native else LINEAR_GROUPED_ROWS):
-        # groups of rows as even as they come (5 rows as 2 + 3, 9 as 3 + 3 + 3); a row's
+    if MH_LINEAR_ROWS < a.m <= (LINEAR_GROUPED_NATIVE_ROWS if native else LINEAR_GROUPED_ROWS):
+        # groups of rows as even as they come (9 rows as 4 + 5, 17 as 5 + 6 + 6); a row's
         # sums do not depend on the rows beside it: the same bits as one row at a time
-        n_groups = (a.m + MH_FEW_ROWS - 1) // MH_FEW_ROWS
+        n_groups = (a.m + MH_LINEAR_ROWS - 1) // MH_LINEAR_ROWS
         start = 0
         for g in range(n_groups):
             end = start + (a.m - start) // (n_groups - g)
@@ -820,7 +821,7 @@ def linear(x, w, bias, out, int num_threads, bint check_signals=False, int w_fmt
                    scales, group)
             start = end
         return
-    if a.m <= MH_FEW_ROWS:
+    if a.m <= MH_LINEAR_ROWS:
         _linear_few_rows(&a, num_threads, check_signals, f64)
         return
     p = _plan_linear(a.m, a.k, a.n, num_threads, oa.dtype.itemsize,
