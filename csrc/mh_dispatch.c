@@ -70,10 +70,12 @@ static unsigned long long mh_xgetbv0(void)
 
 mh_cpu_features mh_cpu_detect(void)
 {
-    mh_cpu_features f = {0, 0, 0, 0, 0, 0, 0, 0, 0, 0};
+    mh_cpu_features f = {0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0};
 #ifdef MH_X86
     unsigned r[4];
     mh_cpuid(0, 0, r);
+    /* "AuthenticAMD" in EBX, EDX, ECX */
+    f.amd = r[1] == 0x68747541u && r[3] == 0x69746e65u && r[2] == 0x444d4163u;
     if (r[0] < 7) return f; /* no leaf 7: no AVX2 */
     mh_cpuid(1, 0, r);
     f.fma = (r[2] >> 12) & 1;
@@ -106,6 +108,14 @@ static unsigned mh_cpu_feature_bits(void)
     if (f.os_zmm && f.avx512f) bits |= MH_CPU_AVX512;
     if (f.avx512bw && f.avx512bf16 && f.avx512vnni) bits |= MH_CPU_AVX512BF16;
     return bits;
+}
+
+int mh_cpu_is_amd(void)
+{
+    /* (CPUID may trap to a hypervisor: asked once; threads racing store the same) */
+    static volatile int known = -1;
+    if (known < 0) known = mh_cpu_detect().amd;
+    return known;
 }
 
 int mh_cpu_supports(int isa)

@@ -41,94 +41,7 @@ MH_INLINE V FN(kv_vec)(const char *row, int64_t col, const int fmt, const float 
     }
 }
 
-/* Where the keys (or values) of rows [k0, ...) of a pair are, in place. */
-typedef struct {
-    const char *base; int64_t row_bytes; /* row j at base + j * row_bytes */
-    int64_t data_bytes; /* the bytes a row holds (<= row_bytes) */
-    const char *scale; int64_t scale_bytes; /* int8 / int4: row j's scale(s) */
-    int to_l2; /* FN(prefetch_rows) asks for these rows into L2 (else L1) */
-} FN(kv_rows);
-
-MH_INLINE FN(kv_rows) FN(kv_in_place)(const mh_attn_args *a, const mh_operand *src,
-                                  const mh_operand *scale, int64_t pair, int64_t k0)
-{
-    const int64_t eb = mh_stored_bytes(a->kv_format);
-    FN(kv_rows) r;
-    const int64_t n = src == &a->k ? a->head_dim : a->v_dim;
-    r.base = (const char *)src->base + (src->off[pair] + k0 * src->row) * eb;
-    r.row_bytes = src->row * eb;
-    r.data_bytes = a->kv_format == MH_STORE_I4 ? n / 2 : n * eb;
-    r.scale = 0;
-    r.scale_bytes = 0;
-    r.to_l2 = a->kv_format != MH_STORE_I8;
-    if (a->kv_format == MH_STORE_I8 || a->kv_format == MH_STORE_I4) {
-        const int64_t sb = a->kv_format == MH_STORE_I8 ? 4 : 2; /* float32 / float16 */
-        r.scale = (const char *)scale->base + (scale->off[pair] + k0 * scale->row) * sb;
-        r.scale_bytes = scale->row * sb;
-    }
-    return r;
-}
-
-
-/* Decode streams two arrays, the keys while it takes the scores and then the
-   values while it mixes them.  Each phase asks for the other array's rows at
-   the pace it reads its own: the scores for the same block's values, the mix
-   for the next block's keys.  So both streams stay in flight, and the hardware
-   prefetchers do not start again from a cold page at every block.  Measured
-   on one decode call (12 heads of 64, L=16384, 2 threads, caches evicted
-   between calls): float32 -17%, int8 -17 to -26%, int4 -16%, float16 -10%;
-   with the cache warm (L=2048, 1 thread) +4 to +8% for the added instructions,
-   so a call whose keys and values take less than MH_PREFETCH_MIN_BYTES (they
-   may well sit in the last-level cache) does not ask: a fused layer's decode
-   step at L=1024 (6 MB of float32 K/V) keeps its time.  A whole block asked
-   for at once was slower: its misses queue ahead of the loads the loop waits
-   on.  Float rows (float32, float16, bfloat16) are asked for into L2: their
-   reading is bound by the memory, and on an AMD EPYC with AVX-512 (12 heads
-   of 64, 2 threads, L=16384, evicted, medians of 11-15 rounds alternating in
-   one process) a float32 call took 1.18-1.23x less time than with the rows
-   asked into L1 (1.43x at L=32768, 1.30x warm, 1.43x on one thread),
-   float16 1.10-1.17x, bfloat16 1.06x.  int8 and int4 rows, whose reading
-   takes more instructions a byte: int8 keeps L1 (into L2 it took 0.93-1.07x
-   the time, and 1.16x in two runs of a later session).  int4 rows go into L2
-   and a block further ahead (MH_AHEAD): with caches stepped in turn (12 heads
-   of 64, L=16384, 256 MiB of caches, medians of 9 rounds alternating in one
-   process) 0.91-0.97x the time on two threads (5 runs) and 0.92-1.0x on one
-   (3 runs); into L2 alone 0.93-1.01x, further ahead into L1 1.02-1.06x.  For
-   the other formats two blocks ahead instead of one was within noise, four
-   or eight slower.  p.data_bytes 0: nothing. */
-#define MH_AHEAD(a) ((a)->kv_format == MH_STORE_I4 ? BK : 0)
-static inline void FN(prefetch_rows)(FN(kv_rows) p, int64_t j, int64_t n)
-{
-    if (p.data_bytes && p.row_bytes == p.data_bytes && p.row_bytes < 64) {
-        /* rows side by side, shorter than a line: each line once (int4 rows of 64
-           channels take half a line: an int4 step with its cache in L3 1.03x less
-           time on one thread) */
-        const char *a = (const char *)((uintptr_t)(p.base + j * p.row_bytes) & ~(uintptr_t)63);
-        const char *end = p.base + (j + n) * p.row_bytes;
-        if (p.to_l2)
-            for (; a < end; a += 64) MH_PREFETCH_L2(a);
-        else
-            for (; a < end; a += 64) MH_PREFETCH(a);
-        return;
-    }
-    if (p.to_l2) {
-        for (int64_t x = 0; x < p.data_bytes; x += 64)
-            for (int64_t r = j; r < j + n; ++r) MH_PREFETCH_L2(p.base + r * p.row_bytes + x);
-        return;
-    }
-    for (int64_t x = 0; x < p.data_bytes; x += 64) /* (one compare when there is nothing) */
-        for (int64_t r = j; r < j + n; ++r) MH_PREFETCH(p.base + r * p.row_bytes + x);
-}
-
-static const FN(kv_rows) FN(no_rows) = {0, 0, 0, 0, 0, 0};
-
-/* r from its row j on */
-MH_INLINE FN(kv_rows) FN(kv_skip)(FN(kv_rows) r, int64_t j)
-{
-    if (r.base) r.base += j * r.row_bytes;
-    if (r.scale) r.scale += j * r.scale_bytes;
-    return r;
-}
+#include "mh_kv_rows.h"
 
 #if MH_HAS_I4_DOTS
 #include "mh_i4_dots.h"
@@ -373,6 +286,7 @@ static int FN(few_rows_masked_scores)(const mh_attn_args *a, int64_t pair, int64
         kr.scale_bytes = 0;
         kr.data_bytes = 0;
         kr.to_l2 = 0;
+        kr.with_scales = 0;
         FN(few_rows_dots)(w->qt, ep, w->kpack, nq, kr, nk, ep / VW, w->st, MH_NATIVE,
                           FN(no_rows));
     }
@@ -574,6 +488,7 @@ static void FN(few_rows_mix)(const mh_attn_args *a, int64_t pair, int64_t nq, in
         vr.scale_bytes = 0;
         vr.data_bytes = 0;
         vr.to_l2 = 0;
+        vr.with_scales = 0;
     }
     /* (int4 groups wider than NVO vectors: 2 rows at a time, which take whole
        groups, so each row's columns take the same path whatever the rows) */

@@ -58,6 +58,7 @@
  *   mh_tile.h       the tile path (blocks of query rows)
  *   mh_pair_bf16.h  the tile path's bfloat16 pair products (MH_HAS_BF16_DOT)
  *   mh_few_rows.h   the few-rows path (decode)
+ *   mh_kv_rows.h    its stored K/V rows in place, and asking for them ahead
  *   mh_entry.h      the entry points of mh_kernel_table
  *   mh_linear_impl.h  the few-rows dense projection
  * Scores are kept in log2 units throughout: see mh_common.h.

@@ -50,7 +50,7 @@ extern "C" {
 #define MH_FEW_ROWS 4   /* up to this many rows take the few-rows paths (decode) */
 /* Decode asks for rows ahead only when the call's keys and values take this many
    bytes or more (smaller ones may sit in the last-level cache, where the requests
-   cost more than they save: mh_few_rows.h, FN(prefetch_rows)), or, in a compiled
+   cost more than they save: mh_kv_rows.h, FN(prefetch_rows)), or, in a compiled
    decoding step, when the step's weights do (they push every layer's keys and
    values out before that layer's next token). */
 #define MH_PREFETCH_MIN_BYTES (8.0 * 1024 * 1024)
@@ -130,6 +130,7 @@ typedef struct mh_plan {
     int threads;        /* OpenMP threads of the first pass */
     int merge_threads;  /* ... and of the merge pass */
     int prefetch;       /* the few-rows path asks for rows ahead (large K/V) */
+    int prefetch_near;  /* ... int4 rows one phase ahead, into L1 (mh_kv_rows.h) */
     int64_t widened_rows; /* tile path over float16/bfloat16 K/V: rows each
                              thread keeps widened (kv_len), 0: none */
     size_t scratch_stride; /* bytes between two threads' scratch areas */
@@ -456,9 +457,13 @@ typedef struct mh_cpu_features {
     unsigned os_ymm : 1; /* the OS saves YMM state */
     unsigned os_zmm : 1; /* ... and opmask and ZMM state */
     unsigned avx512bw : 1, avx512bf16 : 1, avx512vnni : 1;
+    unsigned amd : 1;    /* the vendor is AuthenticAMD */
 } mh_cpu_features;
 
 mh_cpu_features mh_cpu_detect(void);
+
+/* 1 on an AMD CPU (detected once), 0 otherwise. */
+int mh_cpu_is_amd(void);
 
 /* Name of `isa` (mh_isa_list.h), NULL when out of range.  The enum runs from
    the best path to the baseline. */

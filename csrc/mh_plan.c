@@ -194,6 +194,7 @@ void mh_plan_attention(const mh_call_desc *d, const mh_caps *caps, mh_plan *p)
     {   /* the call's keys and values in bytes (int4: half a byte an element) */
         const double elems = (double)p->n_pairs * (double)S * (double)(E + Ev);
         p->prefetch = elems * mh_storage_bits(d->kv_format) / 8 >= MH_PREFETCH_MIN_BYTES;
+        p->prefetch_near = !mh_cpu_is_amd(); /* (read only where prefetch is set) */
     }
     p->scratch_stride = mh_scratch_stride(E, Ev, (size_t)d->elem_size) +
                         (p->widened_rows ? mh_widened_bytes(E, Ev, S) : 0);
