@@ -13,6 +13,16 @@ F32_ATOL = 1e-5
 F64_ATOL = 1e-10
 
 
+@pytest.fixture(autouse=True)
+def _cores_free():
+    """Each test starts on free cores: threads a test before found without a core (a
+    virtual machine's cores taken away for a moment) would otherwise put the next
+    quarter second's calls on one thread, which tests of the threads a call or a
+    compiled step takes do not expect."""
+    from manyheads import _kernels
+    _kernels.clear_contended()
+
+
 @pytest.fixture
 def rng():
     return np.random.default_rng(12345)

@@ -167,6 +167,9 @@ def clamped_gated_mul(gu: npt.NDArray[np.float32], out: npt.NDArray[np.float32],
                       alpha: float, limit: float) -> None:
     """out = gpt-oss's clamped SwiGLU of the halves (g, u) of each row of gu (m, 2 F)."""
 
+def clear_contended() -> None:
+    """Forget threads found without a core: the next calls plan as on free cores."""
+
 def contended() -> bool:
     """Whether threads were found without a core less than CONTENDED_SECONDS ago."""
 

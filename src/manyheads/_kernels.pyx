@@ -357,6 +357,13 @@ def contended():
     return _contended()
 
 
+def clear_contended():
+    """Forget threads found without a core: the next calls plan as on free cores (the
+    tests' starting point, since their results do not depend on it)."""
+    global _contended_until
+    _contended_until = 0
+
+
 cdef inline bint _contended():
     """Threads were found without a core less than CONTENDED_SECONDS ago."""
     global _contended_until
