@@ -162,7 +162,9 @@ static inline void mh_transpose_f64_avx2(__m256d r[4])
     _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(p))), 16))
 #define V_LOAD_I8(p) _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p))))
 #define V_LOAD_U4(p) mh_load_u4_avx2((const uint8_t *)(p))
-#define V_I8_PASS(p, xp) mh_i8_pass_avx2((p), (xp))
+#define VI8 mh_i8w_avx2
+#define V_I8_WIDEN(p) mh_i8_widen_avx2(p)
+#define V_I8_DOT(W, xp) mh_i8_dot_avx2(&(W), (xp))
 #define V_LOAD_I8_PAIRS(p, e, o) mh_load_i8_pairs_avx2((p), &(e), &(o))
 /* int4 groups in split order (mh_few_rows.h, FN(u4_row)) */
 #define V_LOAD_U4_GROUP(p, u) mh_load_u4_group_avx2((const uint8_t *)(p), (u))
@@ -176,13 +178,19 @@ static inline void mh_transpose_f64_avx2(__m256d r[4])
    rows (16 bytes: 8 columns x 2 rows) widened to 16 bits and multiplied by its pair of
    16-bit integers, the two products of a column added (madd), the four pairs' sums
    added: exact (at most 8 * 127 * 32767 in magnitude), then converted to float. */
-static inline __m256 mh_i8_pass_avx2(const int8_t *p, const __m256 *xp)
+typedef struct { __m256i w[4]; } mh_i8w_avx2;
+static inline mh_i8w_avx2 mh_i8_widen_avx2(const int8_t *p)
+{
+    mh_i8w_avx2 W;
+    for (int j = 0; j < 4; ++j)
+        W.w[j] = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(p + 32 * j)));
+    return W;
+}
+static inline __m256 mh_i8_dot_avx2(const mh_i8w_avx2 *W, const __m256 *xp)
 {
     __m256i s = _mm256_setzero_si256();
-    for (int j = 0; j < 4; ++j) {
-        const __m256i w = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(p + 32 * j)));
-        s = _mm256_add_epi32(s, _mm256_madd_epi16(w, _mm256_castps_si256(xp[j])));
-    }
+    for (int j = 0; j < 4; ++j)
+        s = _mm256_add_epi32(s, _mm256_madd_epi16(W->w[j], _mm256_castps_si256(xp[j])));
     return _mm256_cvtepi32_ps(s);
 }
 

@@ -132,7 +132,9 @@ static inline void mh_transpose_f64_avx512(__m512d r[8])
     _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(p))), 16))
 #define V_LOAD_I8(p) _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p))))
 #define V_LOAD_U4(p) mh_load_u4_avx512((const uint8_t *)(p))
-#define V_I8_PASS(p, xp) mh_i8_pass_avx512((p), (xp))
+#define VI8 mh_i8w_avx512
+#define V_I8_WIDEN(p) mh_i8_widen_avx512(p)
+#define V_I8_DOT(W, xp) mh_i8_dot_avx512(&(W), (xp))
 #define V_LOAD_I8_PAIRS(p, e, o) mh_load_i8_pairs_avx512((p), &(e), &(o))
 /* int4 groups in split order (mh_few_rows.h, FN(u4_row)) */
 #define V_LOAD_U4_GROUP(p, u) mh_load_u4_split_avx512((const uint8_t *)(p), &(u)[0], &(u)[1])
@@ -168,25 +170,39 @@ static inline void mh_transpose_f64_avx512(__m512d r[8])
    weights in cache: 1.25-1.3x on an Intel Xeon, one or two threads (from memory the
    product already waited on the reads: unchanged; VNNI's fused multiply-add of pairs,
    tried on the same machine, added 3-5% more in cache, not worth another path). */
-static inline __m512 mh_i8_pass_avx512(const int8_t *p, const __m512 *xp)
+typedef struct { __m512i w[4]; } mh_i8w_avx512;
+static inline mh_i8w_avx512 mh_i8_widen_avx512(const int8_t *p)
+{
+    mh_i8w_avx512 W;
+    for (int j = 0; j < 4; ++j)
+        W.w[j] = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(p + 32 * j)));
+    return W;
+}
+static inline __m512 mh_i8_dot_avx512(const mh_i8w_avx512 *W, const __m512 *xp)
 {
     __m512i s = _mm512_setzero_si512();
-    for (int j = 0; j < 4; ++j) {
-        const __m512i w = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(p + 32 * j)));
-        s = _mm512_add_epi32(s, _mm512_madd_epi16(w, _mm512_castps_si512(xp[j])));
-    }
+    for (int j = 0; j < 4; ++j)
+        s = _mm512_add_epi32(s, _mm512_madd_epi16(W->w[j], _mm512_castps_si512(xp[j])));
     return _mm512_cvtepi32_ps(s);
 }
 #else
-static inline __m512 mh_i8_pass_avx512(const int8_t *p, const __m512 *xp)
+typedef struct { __m256i lo[4], hi[4]; } mh_i8w_avx512;
+static inline mh_i8w_avx512 mh_i8_widen_avx512(const int8_t *p)
+{
+    mh_i8w_avx512 W;
+    for (int j = 0; j < 4; ++j) {
+        W.lo[j] = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(p + 32 * j)));
+        W.hi[j] = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(p + 32 * j + 16)));
+    }
+    return W;
+}
+static inline __m512 mh_i8_dot_avx512(const mh_i8w_avx512 *W, const __m512 *xp)
 {
     __m256i lo = _mm256_setzero_si256(), hi = _mm256_setzero_si256();
     for (int j = 0; j < 4; ++j) {
         const __m256i x = _mm512_castsi512_si256(_mm512_castps_si512(xp[j]));
-        const __m256i wl = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(p + 32 * j)));
-        const __m256i wh = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(p + 32 * j + 16)));
-        lo = _mm256_add_epi32(lo, _mm256_madd_epi16(wl, x));
-        hi = _mm256_add_epi32(hi, _mm256_madd_epi16(wh, x));
+        lo = _mm256_add_epi32(lo, _mm256_madd_epi16(W->lo[j], x));
+        hi = _mm256_add_epi32(hi, _mm256_madd_epi16(W->hi[j], x));
     }
     return _mm512_cvtepi32_ps(_mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1));
 }

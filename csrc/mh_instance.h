@@ -28,10 +28,11 @@
  *   MH_HAS_F16_LOAD    V_LOAD_HALF(p): VW float16 values widened to V
  *   MH_HAS_BF16_LOAD   V_LOAD_BF16(p): VW bfloat16 values widened to V
  *   MH_HAS_I8_LOAD     V_LOAD_I8(p): VW int8 values converted to V
- *   MH_HAS_I8_PAIRS    V_I8_PASS(p, xp): the exact sums of a blocked int8
- *                      pass (mh_linear_index) times four pairs of 16-bit
- *                      integers (the bits of each lane of xp[0..4)) for VW
- *                      columns, converted to V; V_LOAD_I8_PAIRS(p, e, o): a
+ *   MH_HAS_I8_PAIRS    V_I8_WIDEN(p): a blocked int8 pass (mh_linear_index)
+ *                      of VW columns widened for V_I8_DOT(W, xp), of type
+ *                      VI8; V_I8_DOT(W, xp): its exact sums times four pairs
+ *                      of 16-bit integers (the bits of each lane of
+ *                      xp[0..4)), converted to V; V_LOAD_I8_PAIRS(p, e, o): a
  *                      pair of rows of VW columns widened to V e (even row)
  *                      and o (odd row)
  *   MH_HAS_U4_LOAD     V_LOAD_U4(p): VW 4-bit values from VW/2 bytes (low

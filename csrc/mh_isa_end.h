@@ -36,7 +36,9 @@
 #undef V_STORE_BF16
 #undef V_STORE_HALF
 #undef V_LOAD_I8
-#undef V_I8_PASS
+#undef VI8
+#undef V_I8_WIDEN
+#undef V_I8_DOT
 #undef V_LOAD_I8_PAIRS
 #undef V_LOAD_U4
 #undef V_LOAD_U4_GROUP

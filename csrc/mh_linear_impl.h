@@ -270,7 +270,8 @@ MH_INLINE V FN(i8_pass)(const int8_t *p, const V *xp, const int16_t *q)
 {
 #if MH_HAS_I8_PAIRS
     (void)q;
-    return V_I8_PASS(p, xp);
+    const VI8 W = V_I8_WIDEN(p);
+    return V_I8_DOT(W, xp);
 #else
     (void)xp;
     T lanes[VW];
@@ -329,6 +330,52 @@ MH_INLINE void FN(i8_one_pass)(const mh_linear_args *a, int64_t c0, int64_t nv, 
     }
 }
 
+#if MH_HAS_I8_PAIRS
+/* Two whole passes from row kk for R > 1 input rows, as FN(linear_accumulate_i8) takes
+   them one row at a time, with each pass's weight vectors loaded and widened once for
+   all the rows (the same bits: each row's sums take the same operations in the same
+   order).  Rows whose x the integers cannot hold, or whose pass is all zeros, go
+   alone (FN(i8_one_pass)). */
+MH_INLINE void FN(i8_rows16)(const mh_linear_args *a, int64_t c0, int64_t nv, const int R,
+                             int64_t kk, T *acc, int64_t acc_row, int ahead)
+{
+    const int64_t pass = 8 * a->w_row; /* bytes */
+    const int8_t *w0 = (const int8_t *)a->w + mh_linear_index(a, kk, c0), *w1 = w0 + pass;
+    const T *x = (const T *)a->x;
+    V xp[MH_LINEAR_ROWS][8], sv[MH_LINEAR_ROWS][2];
+    T *ar[MH_LINEAR_ROWS];
+    int n = 0;
+    for (int r = 0; r < R; ++r) {
+        T s0, s1;
+        int16_t q0[8], q1[8];
+        if (!FN(i8_pass_x)(x + r * a->x_row + kk, 8, &s0, xp[n], q0) ||
+            !FN(i8_pass_x)(x + r * a->x_row + kk + 8, 8, &s1, xp[n] + 4, q1) || s0 == 0 ||
+            s1 == 0) {
+            FN(i8_one_pass)(a, c0, nv, r, kk, 8, w0, acc, acc_row, 0);
+            FN(i8_one_pass)(a, c0, nv, r, kk + 8, 8, w1, acc, acc_row, 0);
+            continue;
+        }
+        sv[n][0] = V_SET1(s0);
+        sv[n][1] = V_SET1(s1);
+        ar[n++] = acc + r * acc_row;
+    }
+    const char *next = (const char *)w1 + pass;
+    for (int64_t v = 0; v < nv; ++v) {
+        if (ahead)
+            for (int64_t b = 0; b < 8 * VW; b += 64) {
+                MH_PREFETCH_L2(next + v * 8 * VW + b);
+                MH_PREFETCH_L2(next + pass + v * 8 * VW + b);
+            }
+        const VI8 W0 = V_I8_WIDEN(MH_I8_VECTOR(w0, v)), W1 = V_I8_WIDEN(MH_I8_VECTOR(w1, v));
+        for (int i = 0; i < n; ++i) {
+            V o = V_FMA(V_I8_DOT(W0, xp[i]), sv[i][0], V_LOAD(ar[i] + v * VW));
+            o = V_FMA(V_I8_DOT(W1, xp[i] + 4), sv[i][1], o);
+            V_STORE(ar[i] + v * VW, o);
+        }
+    }
+}
+#endif
+
 /* FN(linear_accumulate) for blocked int8: whole passes as integers (FN(i8_pass)), the
    pass that ends w too, the other rows (or a pass whose x the integers cannot hold)
    one at a time.  Two whole passes go through together where both are integers: each
@@ -355,6 +402,10 @@ MH_INLINE void FN(linear_accumulate_i8)(const mh_linear_args *a, int64_t c0, int
     int64_t kk = k0;
     for (; kk < k1 && (kk & 7); ++kk)
         for (int r = 0; r < R; ++r) FN(linear_one_i8)(a, c0, nv, r, kk, acc, acc_row);
+#if MH_HAS_I8_PAIRS
+    if (R > 1) /* (rows in a group: FN(i8_rows16)) */
+        for (; kk + 16 <= k1; kk += 16) FN(i8_rows16)(a, c0, nv, R, kk, acc, acc_row, kk + 32 <= k1);
+#endif
     for (; kk + 16 <= k1; kk += 16) {
         const int8_t *w0 = (const int8_t *)a->w + mh_linear_index(a, kk, c0), *w1 = w0 + pass;
         for (int r = 0; r < R; ++r) {

@@ -158,12 +158,13 @@ def test_int8_columns_past_the_last_whole_vector_get_the_vectors_bits(rng, group
         np.testing.assert_array_equal(mh.linear(x, part, b[:width]), want[:, :width])
 
 
-@pytest.mark.parametrize("rows", [1, 4])
+@pytest.mark.parametrize("rows", [1, 4, 6])
 def test_int8_passes_the_integers_cannot_hold_are_added_in_floats(rng, rows):
     """A pass of x with a value that is not finite, or whose largest magnitude is tiny
     (its inverse could overflow), is added unrounded: infinities and NaNs come out as
     float arithmetic gives them, tiny inputs keep their precision; a pass of zeros adds
-    nothing."""
+    nothing.  Such a row goes alone while the other rows of its group share the
+    weights' loads: each row gets the bits it gets alone."""
     k, n = 40, 48
     w = mh.Int8Weight.quantize(rng.standard_normal((k, n)).astype(np.float32))
     values = w.dequantize().astype(np.float64)
@@ -182,6 +183,8 @@ def test_int8_passes_the_integers_cannot_hold_are_added_in_floats(rng, rows):
     np.testing.assert_array_equal(np.isposinf(got), np.isposinf(expected))
     np.testing.assert_array_equal(np.isneginf(got), np.isneginf(expected))
     assert np.isinf(got[0]).any() and (rows == 1 or np.isnan(got[1]).all())
+    for r in range(rows):
+        np.testing.assert_array_equal(got[r], mh.linear(x[r:r + 1], w)[0])
     finite = np.isfinite(expected)
     np.testing.assert_allclose(got[finite], expected[finite], rtol=0, atol=2e-4)
     if rows > 1:  # the tiny pass alone, at float precision
