@@ -330,6 +330,16 @@ MH_INLINE void FN(i8_one_pass)(const mh_linear_args *a, int64_t c0, int64_t nv, 
     }
 }
 
+/* Asks for vector v's part of the two blocked int8 passes from `next` (pass bytes
+   apart), into L2 (see FN(linear_accumulate_i8)). */
+MH_INLINE void FN(i8_two_ahead)(const char *next, int64_t pass, int64_t v)
+{
+    for (int64_t b = 0; b < 8 * VW; b += 64) {
+        MH_PREFETCH_L2(next + v * 8 * VW + b);
+        MH_PREFETCH_L2(next + pass + v * 8 * VW + b);
+    }
+}
+
 #if MH_HAS_I8_PAIRS
 /* Two whole passes from row kk for R > 1 input rows, as FN(linear_accumulate_i8) takes
    them one row at a time, with each pass's weight vectors loaded and widened once for
@@ -361,11 +371,7 @@ MH_INLINE void FN(i8_rows16)(const mh_linear_args *a, int64_t c0, int64_t nv, co
     }
     const char *next = (const char *)w1 + pass;
     for (int64_t v = 0; v < nv; ++v) {
-        if (ahead)
-            for (int64_t b = 0; b < 8 * VW; b += 64) {
-                MH_PREFETCH_L2(next + v * 8 * VW + b);
-                MH_PREFETCH_L2(next + pass + v * 8 * VW + b);
-            }
+        if (ahead) FN(i8_two_ahead)(next, pass, v);
         const VI8 W0 = V_I8_WIDEN(MH_I8_VECTOR(w0, v)), W1 = V_I8_WIDEN(MH_I8_VECTOR(w1, v));
         for (int i = 0; i < n; ++i) {
             V o = V_FMA(V_I8_DOT(W0, xp[i]), sv[i][0], V_LOAD(ar[i] + v * VW));
@@ -423,11 +429,7 @@ MH_INLINE void FN(linear_accumulate_i8)(const mh_linear_args *a, int64_t c0, int
             T *ar = acc + r * acc_row;
             const char *next = (const char *)w1 + pass;
             for (int64_t v = 0; v < nv; ++v) {
-                if (ahead)
-                    for (int64_t b = 0; b < 8 * VW; b += 64) {
-                        MH_PREFETCH_L2(next + v * 8 * VW + b);
-                        MH_PREFETCH_L2(next + pass + v * 8 * VW + b);
-                    }
+                if (ahead) FN(i8_two_ahead)(next, pass, v);
                 V o = V_FMA(FN(i8_pass)(MH_I8_VECTOR(w0, v), xp0, q0), sv0, V_LOAD(ar + v * VW));
                 o = V_FMA(FN(i8_pass)(MH_I8_VECTOR(w1, v), xp1, q1), sv1, o);
                 V_STORE(ar + v * VW, o);
