@@ -65,10 +65,12 @@ MH_INLINE FN(kv_rows) FN(kv_in_place)(const mh_attn_args *a, const mh_operand *s
    ahead, as int8's, into L1, and their scale rows too: on an Intel Xeon with
    AMX (1 GiB of caches attended in turn, 2 threads, medians of 9 rounds
    alternating in one process) 0.88-0.89x the time of the AMD choice in two
-   runs; without the scale rows 0.92x, with them into L2 0.90x, a block ahead into L1 0.95x,
-   one phase ahead into L2 0.92-0.94x, 8 to 32 rows further 0.90-0.92x.
-   (int8's scale rows asked for too took 1.03-1.05x the time there.)  For the other formats two blocks ahead instead of one was
-   within noise, four or eight slower.  p.data_bytes 0: nothing. */
+   runs; without the scale rows 0.92x, with them into L2 0.90x, a block
+   ahead into L1 0.95x, one phase ahead into L2 0.92-0.94x, 8 to 32 rows
+   further 0.90-0.92x, and 128 to 1024 rows further into L2 as well 1.10-1.21x
+   (int8's scale rows asked for too took 1.03-1.05x the time there).  For the
+   other formats two blocks ahead instead of one was within noise, four or
+   eight slower.  p.data_bytes 0: nothing. */
 #define MH_AHEAD(a) ((a)->kv_format == MH_STORE_I4 && !(a)->plan->prefetch_near ? BK : 0)
 static inline void FN(prefetch_rows)(FN(kv_rows) p, int64_t j, int64_t n)
 {
