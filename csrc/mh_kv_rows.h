@@ -81,8 +81,9 @@ static inline void FN(prefetch_rows)(FN(kv_rows) p, int64_t j, int64_t n)
         const char *a = (const char *)((uintptr_t)(p.base + j * p.row_bytes) & ~(uintptr_t)63);
         const char *end = p.base + (j + n) * p.row_bytes;
         if (p.with_scales) {
-            const char *s = (const char *)((uintptr_t)(p.scale + j * p.scale_bytes) & ~(uintptr_t)63);
-            for (const char *se = p.scale + (j + n) * p.scale_bytes; s < se; s += 64) MH_PREFETCH(s);
+            const char *s = p.scale + j * p.scale_bytes, *se = s + n * p.scale_bytes;
+            for (s = (const char *)((uintptr_t)s & ~(uintptr_t)63); s < se; s += 64)
+                MH_PREFETCH(s);
         }
         if (p.to_l2)
             for (; a < end; a += 64) MH_PREFETCH_L2(a);

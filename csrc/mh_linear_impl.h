@@ -410,7 +410,8 @@ MH_INLINE void FN(linear_accumulate_i8)(const mh_linear_args *a, int64_t c0, int
         for (int r = 0; r < R; ++r) FN(linear_one_i8)(a, c0, nv, r, kk, acc, acc_row);
 #if MH_HAS_I8_PAIRS
     if (R > 1) /* (rows in a group: FN(i8_rows16)) */
-        for (; kk + 16 <= k1; kk += 16) FN(i8_rows16)(a, c0, nv, R, kk, acc, acc_row, kk + 32 <= k1);
+        for (; kk + 16 <= k1; kk += 16)
+            FN(i8_rows16)(a, c0, nv, R, kk, acc, acc_row, kk + 32 <= k1);
 #endif
     for (; kk + 16 <= k1; kk += 16) {
         const int8_t *w0 = (const int8_t *)a->w + mh_linear_index(a, kk, c0), *w1 = w0 + pass;
