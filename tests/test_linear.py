@@ -224,8 +224,7 @@ def test_a_few_rows_more_than_one_pass_holds_run_in_groups_of_rows(rng, fmt, row
         values = w.astype(np.float32)
     got = mh.linear(x, w, b, num_threads=2)
     plan = _kernels.explain_linear(rows, k, n, 2, weight_format=fmt)
-    grouped = rows <= (_kernels.LINEAR_GROUPED_NATIVE_ROWS if fmt == "float32"
-                       else _kernels.LINEAR_GROUPED_ROWS)
+    grouped = rows <= _kernels.LINEAR_GROUPED_ROWS
     assert grouped == (rows <= 32)
     if grouped:
         assert plan["path"] == "few rows" and plan["row_groups"] == -(-rows // 8)

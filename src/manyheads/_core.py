@@ -486,8 +486,7 @@ def linear(x: np.ndarray, w: Any, bias: np.ndarray | None, num_threads: int) -> 
     if k == 0:  # an empty sum: the bias alone
         out[...] = 0 if b is None else b
         return out.reshape(lead + (n,))
-    if x2.shape[0] <= (_kernels.LINEAR_GROUPED_ROWS if fmt >= 0
-                       else _kernels.LINEAR_GROUPED_NATIVE_ROWS):  # the kernels' own product
+    if x2.shape[0] <= _kernels.LINEAR_GROUPED_ROWS:  # the kernels' own product
         _kernels.linear(x2, data, b, out, int(num_threads), _on_main_thread(), fmt, scales,
                         group)
     elif _blas.available():

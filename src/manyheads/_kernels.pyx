@@ -406,8 +406,7 @@ cdef int64_t LINEAR_K_ROWS = 32      # ... of at least this many rows
 # rows (FN(pass_rows)), on an Intel Xeon with 2 threads and 768 x 1536 weights: float32
 # 16 rows 264 us against 609 through BLAS, 32 rows 477 against 1027; bfloat16 32 rows
 # 441 us against 622 as widened stripes.  At 64 rows BLAS and the stripes were ahead.
-LINEAR_GROUPED_ROWS = 32         # weights in a stored format (float32 x)
-LINEAR_GROUPED_NATIVE_ROWS = 32  # weights of x's own type
+LINEAR_GROUPED_ROWS = 32         # every weight format
 cdef double LINEAR_READ_WEIGHT = 8   # a few-rows multiply-add against the planner's unit
 
 
@@ -499,7 +498,7 @@ def explain_linear(int64_t m, int64_t k, int64_t n, int num_threads, int itemsiz
     per work item."""
     cdef bint widened = weight_format not in ("float32", "float64")
     cdef int64_t groups = 1
-    if MH_LINEAR_ROWS < m <= (LINEAR_GROUPED_ROWS if widened else LINEAR_GROUPED_NATIVE_ROWS):
+    if MH_LINEAR_ROWS < m <= LINEAR_GROUPED_ROWS:
         groups = (m + MH_LINEAR_ROWS - 1) // MH_LINEAR_ROWS
         m = (m + groups - 1) // groups  # the largest group's rows
     cdef LinearPlan p = _plan_linear(m, k, n, num_threads, itemsize, grouped, widened)
@@ -785,9 +784,9 @@ def linear(x, w, bias, out, int num_threads, bint check_signals=False, int w_fmt
     (ceil(k / group), n), contiguous; int8 values are (k, n padded to a multiple of 16)
     in the kernels' blocked order, ``Int8Weight``'s storage).  x, w and out have
     contiguous rows (row strides are read from the arrays; n from out's).  Up to
-    MH_LINEAR_ROWS (8) rows: the kernels' own product, reading w once; up to LINEAR_GROUPED_ROWS
-    (w stored in another format) or LINEAR_GROUPED_NATIVE_ROWS (w of x's type) rows:
-    that product on groups of rows; more rows need the BLAS set by :func:`set_blas`.
+    MH_LINEAR_ROWS (8) rows: the kernels' own product, reading w once; up to
+    LINEAR_GROUPED_ROWS rows: that product on groups of rows; more rows need the BLAS
+    set by :func:`set_blas`.
     """
     cdef mh_linear_args a
     cdef Job job
@@ -816,8 +815,7 @@ def linear(x, w, bias, out, int num_threads, bint check_signals=False, int w_fmt
     job.stride = 0
     if a.m == 0 or a.n == 0:
         return
-    native = a.w_fmt == MH_STORE_F32 or a.w_fmt == MH_STORE_F64
-    if MH_LINEAR_ROWS < a.m <= (LINEAR_GROUPED_NATIVE_ROWS if native else LINEAR_GROUPED_ROWS):
+    if MH_LINEAR_ROWS < a.m <= LINEAR_GROUPED_ROWS:
         # groups of rows as even as they come (9 rows as 4 + 5, 17 as 5 + 6 + 6); a row's
         # sums do not depend on the rows beside it: the same bits as one row at a time
         n_groups = (a.m + MH_LINEAR_ROWS - 1) // MH_LINEAR_ROWS
@@ -831,6 +829,7 @@ def linear(x, w, bias, out, int num_threads, bint check_signals=False, int w_fmt
     if a.m <= MH_LINEAR_ROWS:
         _linear_few_rows(&a, num_threads, check_signals, f64)
         return
+    native = a.w_fmt == MH_STORE_F32 or a.w_fmt == MH_STORE_F64
     p = _plan_linear(a.m, a.k, a.n, num_threads, oa.dtype.itemsize,
                      a.w_fmt == MH_STORE_I8 and a.group < a.k, not native)
     a.tile_m = p.tile_m
@@ -838,7 +837,8 @@ def linear(x, w, bias, out, int num_threads, bint check_signals=False, int w_fmt
     a.k_chunk = p.k_chunk
     a.partial = NULL
     if not has_blas():
-        raise RuntimeError("no BLAS set for projections of more than FEW_ROWS rows")
+        raise RuntimeError("no BLAS set for projections of more than "
+                           f"{LINEAR_GROUPED_ROWS} rows")
     if native:
         job.tile = mh_linear_tile_f64 if f64 else mh_linear_tile_f32
         _run_items(&job, _tile_item, p.n_items, p.threads, check_signals)
