@@ -1,8 +1,10 @@
 """Thread pools: threadpoolctl sees and limits manyheads' OpenMP; concurrent callers share cores."""
+import os
 import subprocess
 import sys
 import textwrap
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -97,6 +99,44 @@ def test_a_call_that_waited_long_for_absent_threads_counts_as_contended():
     assert not _kernels.waited_for_absent_threads(0.0, 0.002, 0.0035)
     # short waits are the other threads waking up, not contention
     assert not _kernels.waited_for_absent_threads(0.0, 0.00001, 0.0003)
+
+
+def test_only_a_second_wait_in_a_row_makes_the_calls_contended():
+    # a virtual machine takes a core away now and then: one wait is no contention
+    assert not _kernels.absent_again(True)
+    assert not _kernels.absent_again(False)
+    assert not _kernels.absent_again(True)
+    # the call after it waited too: the cores are busy
+    assert _kernels.absent_again(True)
+    assert _kernels.absent_again(True)
+    assert not _kernels.absent_again(False)
+    _kernels.clear_contended()  # forgets the last call's wait
+    assert not _kernels.absent_again(True)
+
+
+def test_calls_that_wait_twice_in_a_row_plan_as_contended(rng):
+    """Through the real calls: while other processes keep every core busy, a small
+    product's split calls wait for their threads, and after two such calls in a row the
+    next calls plan as contended (a product of 8M multiply-adds or fewer on one
+    thread); the results do not change."""
+    if mh.get_num_threads() < 2:
+        pytest.skip("needs 2 threads")
+    w = rng.standard_normal((576, 1536)).astype(np.float32)
+    x = rng.standard_normal((1, 576)).astype(np.float32)
+    want = mh.linear(x, w, num_threads=2)
+    assert _kernels.explain_linear(1, 576, 1536, 2)["threads"] == 2
+    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"])
+            for _ in range(os.cpu_count() or 1)]
+    try:
+        deadline = time.monotonic() + 60
+        while not _kernels.contended() and time.monotonic() < deadline:
+            np.testing.assert_array_equal(mh.linear(x, w, num_threads=2), want)
+        assert _kernels.contended()
+        assert _kernels.explain_linear(1, 576, 1536, 2)["threads"] == 1
+    finally:
+        for h in hogs:
+            h.kill()
+            h.wait()
 
 
 

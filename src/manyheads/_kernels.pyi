@@ -54,6 +54,10 @@ def set_blas(sgemm: int, dgemm: int) -> None:
     """Use these Fortran-style sgemm/dgemm (e.g. SciPy's cython_blas) for projection tiles."""
 
 def has_blas() -> bool: ...
+def absent_again(waited: bool) -> bool:
+    """Notes whether a split call ``waited`` for absent threads; True when it did and
+    so did the split call before it (the calls then plan as contended)."""
+
 def waited_for_absent_threads(start: float, worked: float, end: float) -> bool:
     """Whether a split call's calling thread, busy from ``start`` to ``worked``, then
     waited until ``end`` for threads that had no core."""

@@ -307,7 +307,7 @@ cdef int _run_items(const Job *job, item_fn fn, int64_t n_items, int nt,
                             with gil:
                                 if PyErr_CheckSignals() != 0:
                                     mh_flag_set(stop_flag)
-            if waited_for_absent_threads(t_start, t_worked, mh_seconds()):
+            if absent_again(waited_for_absent_threads(t_start, t_worked, mh_seconds())):
                 _contended_until = mh_seconds() + _contended_seconds
     finally:
         _active_calls -= 1
@@ -316,15 +316,31 @@ cdef int _run_items(const Job *job, item_fn fn, int64_t n_items, int nt,
     return 0
 
 
-# When a split call finds its other threads absent (the calling thread did its
-# items, then waited at the end for threads that had no core), the plans of the
-# next CONTENDED_SECONDS count as contended: calls up to a larger size run on the
+# When two split calls in a row find their other threads absent (the calling thread
+# did its items, then waited at the end for threads that had no core), the plans of
+# the next CONTENDED_SECONDS count as contended: calls up to a larger size run on the
 # calling thread alone (mh_plan_threads), since waiting for a descheduled thread
 # costs more than such a call.  Results do not depend on the thread count, so this
-# changes only the time.
+# changes only the time.  Two in a row, not one: a virtual machine takes a core away
+# for half a millisecond or more a few times a second while nothing else runs (an
+# Intel Xeon VM with 2 cores, one-row products of 576 x 3072 on 2 threads back to
+# back for 10 s: 36 of 51,400 calls waited, only one of them right after another),
+# and each such wait had made the small calls of the next 0.25 s run on one thread,
+# at half the memory's rate; with other processes on the cores, a call's next call
+# waits too.
 cdef double _contended_until = 0
 cdef double _contended_seconds = 0.25
 CONTENDED_SECONDS = _contended_seconds
+cdef bint _absent_last = False  # the last split call waited for absent threads
+
+
+cpdef bint absent_again(bint waited) noexcept:
+    """Notes whether a split call ``waited`` for absent threads; True when it did and
+    so did the split call before it (the calls then plan as contended)."""
+    global _absent_last
+    cdef bint again = waited and _absent_last
+    _absent_last = waited
+    return again
 
 
 cpdef bint waited_for_absent_threads(double start, double worked, double end) noexcept:
@@ -360,8 +376,9 @@ def contended():
 def clear_contended():
     """Forget threads found without a core: the next calls plan as on free cores (the
     tests' starting point, since their results do not depend on it)."""
-    global _contended_until
+    global _contended_until, _absent_last
     _contended_until = 0
+    _absent_last = False
 
 
 cdef inline bint _contended():
