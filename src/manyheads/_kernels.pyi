@@ -54,9 +54,9 @@ def set_blas(sgemm: int, dgemm: int) -> None:
     """Use these Fortran-style sgemm/dgemm (e.g. SciPy's cython_blas) for projection tiles."""
 
 def has_blas() -> bool: ...
-def absent_again(waited: bool) -> bool:
-    """Notes whether a split call ``waited`` for absent threads; True when it did and
-    so did the split call before it (the calls then plan as contended)."""
+def waited_again(now: float) -> bool:
+    """Notes that a split call waited for absent threads at ``now`` (seconds); True when
+    another did less than AGAIN_SECONDS before (the calls then plan as contended)."""
 
 def waited_for_absent_threads(start: float, worked: float, end: float) -> bool:
     """Whether a split call's calling thread, busy from ``start`` to ``worked``, then

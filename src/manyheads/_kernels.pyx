@@ -307,7 +307,8 @@ cdef int _run_items(const Job *job, item_fn fn, int64_t n_items, int nt,
                             with gil:
                                 if PyErr_CheckSignals() != 0:
                                     mh_flag_set(stop_flag)
-            if absent_again(waited_for_absent_threads(t_start, t_worked, mh_seconds())):
+            if waited_for_absent_threads(t_start, t_worked, mh_seconds()) and \
+                    waited_again(mh_seconds()):
                 _contended_until = mh_seconds() + _contended_seconds
     finally:
         _active_calls -= 1
@@ -316,30 +317,35 @@ cdef int _run_items(const Job *job, item_fn fn, int64_t n_items, int nt,
     return 0
 
 
-# When two split calls in a row find their other threads absent (the calling thread
-# did its items, then waited at the end for threads that had no core), the plans of
-# the next CONTENDED_SECONDS count as contended: calls up to a larger size run on the
-# calling thread alone (mh_plan_threads), since waiting for a descheduled thread
-# costs more than such a call.  Results do not depend on the thread count, so this
-# changes only the time.  Two in a row, not one: a virtual machine takes a core away
-# for half a millisecond or more a few times a second while nothing else runs (an
-# Intel Xeon VM with 2 cores, one-row products of 576 x 3072 on 2 threads back to
-# back for 10 s: 36 of 51,400 calls waited, only one of them right after another),
-# and each such wait had made the small calls of the next 0.25 s run on one thread,
-# at half the memory's rate; with other processes on the cores, a call's next call
-# waits too.
+# When two split calls less than AGAIN_SECONDS apart find their other threads absent
+# (the calling thread did its items, then waited at the end for threads that had no
+# core), the plans of the next CONTENDED_SECONDS count as contended: calls up to a
+# larger size run on the calling thread alone (mh_plan_threads), since waiting for a
+# descheduled thread costs more than such a call.  Results do not depend on the
+# thread count, so this changes only the time.  Two waits, not one: a virtual machine
+# takes a core away for half a millisecond or more a few times a second while nothing
+# else runs, and each such wait had made the small calls of the next 0.25 s run on
+# one thread, at half the memory's rate.  On an Intel Xeon VM with 2 cores, one-row
+# products of 576 x 3072 on 2 threads back to back for 10 s: on one wait, 54% of the
+# calls planned as contended; on two 50 ms apart, 2.5%.  With other processes on the
+# cores the waits come close together: with one or two busy processes, back-to-back
+# products of 576 x 1536 took the same time as on one wait (92 against 95 us a call,
+# 143 against 149), where two waits in a row (the calls in between did not wait)
+# took 2.4-2.9x the time.
 cdef double _contended_until = 0
 cdef double _contended_seconds = 0.25
 CONTENDED_SECONDS = _contended_seconds
-cdef bint _absent_last = False  # the last split call waited for absent threads
+cdef double _again_seconds = 0.05
+AGAIN_SECONDS = _again_seconds
+cdef double _last_wait = -1e300  # when a split call last waited for absent threads
 
 
-cpdef bint absent_again(bint waited) noexcept:
-    """Notes whether a split call ``waited`` for absent threads; True when it did and
-    so did the split call before it (the calls then plan as contended)."""
-    global _absent_last
-    cdef bint again = waited and _absent_last
-    _absent_last = waited
+cpdef bint waited_again(double now) noexcept:
+    """Notes that a split call waited for absent threads at ``now`` (seconds); True when
+    another did less than AGAIN_SECONDS before (the calls then plan as contended)."""
+    global _last_wait
+    cdef bint again = now - _last_wait < _again_seconds
+    _last_wait = now
     return again
 
 
@@ -376,9 +382,9 @@ def contended():
 def clear_contended():
     """Forget threads found without a core: the next calls plan as on free cores (the
     tests' starting point, since their results do not depend on it)."""
-    global _contended_until, _absent_last
+    global _contended_until, _last_wait
     _contended_until = 0
-    _absent_last = False
+    _last_wait = -1e300
 
 
 cdef inline bint _contended():
