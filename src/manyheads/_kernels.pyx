@@ -326,8 +326,9 @@ cdef int _run_items(const Job *job, item_fn fn, int64_t n_items, int nt,
 # takes a core away for half a millisecond or more a few times a second while nothing
 # else runs, and each such wait had made the small calls of the next 0.25 s run on
 # one thread, at half the memory's rate.  On an Intel Xeon VM with 2 cores, one-row
-# products of 576 x 3072 on 2 threads back to back for 10 s: on one wait, 54% of the
-# calls planned as contended; on two 50 ms apart, 2.5%.  With other processes on the
+# products of 576 x 3072 on 2 threads back to back for 10 s: with each wait counting
+# alone (after the first), 54% of the calls planned as contended; on two 50 ms apart,
+# 2.5%.  With other processes on the
 # cores the waits come close together: with one or two busy processes, back-to-back
 # products of 576 x 1536 took the same time as on one wait (92 against 95 us a call,
 # 143 against 149), where two waits in a row (the calls in between did not wait)
