@@ -278,15 +278,10 @@ static int FN(few_rows_masked_scores)(const mh_attn_args *a, int64_t pair, int64
         }
 #undef MH_DOTS
     } else {
-        FN(kv_rows) kr;
+        FN(kv_rows) kr = FN(no_rows);
         FN(load_rows)(a, &a->k, &a->k_scale, pair, k0, nk, E, w->kpack, ep);
         kr.base = (const char *)w->kpack;
         kr.row_bytes = ep * (int64_t)sizeof(T);
-        kr.scale = 0;
-        kr.scale_bytes = 0;
-        kr.data_bytes = 0;
-        kr.to_l2 = 0;
-        kr.with_scales = 0;
         FN(few_rows_dots)(w->qt, ep, w->kpack, nq, kr, nk, ep / VW, w->st, MH_NATIVE,
                           FN(no_rows));
     }
@@ -482,13 +477,9 @@ static void FN(few_rows_mix)(const mh_attn_args *a, int64_t pair, int64_t nq, in
         vr = FN(kv_in_place)(a, &a->v, &a->v_scale, pair, k0);
     } else {
         FN(load_rows)(a, &a->v, &a->v_scale, pair, k0, nk, a->v_dim, w->vpack, evp);
+        vr = FN(no_rows);
         vr.base = (const char *)w->vpack;
         vr.row_bytes = evp * (int64_t)sizeof(T);
-        vr.scale = 0;
-        vr.scale_bytes = 0;
-        vr.data_bytes = 0;
-        vr.to_l2 = 0;
-        vr.with_scales = 0;
     }
     /* (int4 groups wider than NVO vectors: 2 rows at a time, which take whole
        groups, so each row's columns take the same path whatever the rows) */

@@ -274,7 +274,7 @@ cdef int _run_items(const Job *job, item_fn fn, int64_t n_items, int nt,
     global _active_calls, _contended_until
     cdef int stop = 0
     cdef int *stop_flag = &stop
-    cdef double t_start = 0, t_worked = 0
+    cdef double t_start = 0, t_worked = 0, t_end
     cdef double *worked_ptr = &t_worked
     cdef double period = SIGNAL_CHECK_SECONDS
     cdef double next_check = mh_seconds() + period if check_signals else 0
@@ -307,9 +307,9 @@ cdef int _run_items(const Job *job, item_fn fn, int64_t n_items, int nt,
                             with gil:
                                 if PyErr_CheckSignals() != 0:
                                     mh_flag_set(stop_flag)
-            if waited_for_absent_threads(t_start, t_worked, mh_seconds()) and \
-                    waited_again(mh_seconds()):
-                _contended_until = mh_seconds() + _contended_seconds
+            t_end = mh_seconds()
+            if waited_for_absent_threads(t_start, t_worked, t_end) and waited_again(t_end):
+                _contended_until = t_end + _contended_seconds
     finally:
         _active_calls -= 1
     if stop:
@@ -328,11 +328,10 @@ cdef int _run_items(const Job *job, item_fn fn, int64_t n_items, int nt,
 # one thread, at half the memory's rate.  On an Intel Xeon VM with 2 cores, one-row
 # products of 576 x 3072 on 2 threads back to back for 10 s: with each wait counting
 # alone (after the first), 54% of the calls planned as contended; on two 50 ms apart,
-# 2.5%.  With other processes on the
-# cores the waits come close together: with one or two busy processes, back-to-back
-# products of 576 x 1536 took the same time as on one wait (92 against 95 us a call,
-# 143 against 149), where two waits in a row (the calls in between did not wait)
-# took 2.4-2.9x the time.
+# 2.5%.  With other processes on the cores the waits come close together: with one or
+# two busy processes, back-to-back products of 576 x 1536 took the same time as on one
+# wait (92 against 95 us a call, 143 against 149), where two waits in a row (the calls
+# in between did not wait) took 2.4-2.9x the time.
 cdef double _contended_until = 0
 cdef double _contended_seconds = 0.25
 CONTENDED_SECONDS = _contended_seconds
