@@ -1,8 +1,9 @@
 /*
  * The more-rows path of the dense projection: one tile of the output through
  * a BLAS gemm (single-threaded; the caller's OpenMP threads run the tiles).
- * Compiled without ISA flags: it only moves the bias and calls the BLAS (weights in
- * another format are widened by the ISA kernels first, a stripe of columns at a time).
+ * Compiled without ISA flags: it moves the bias, asks for the weights and calls the
+ * BLAS (weights in another format are widened by the ISA kernels first, a stripe of
+ * columns at a time).
  *
  * Row-major out = x @ w is, read column-major, out^T = w^T x^T, so the call is
  * gemm("N", "N", tile_n, tile_m, k, 1, w + n0, w_row, x + m0 * x_row, x_row,
@@ -19,9 +20,16 @@
  * tokens 0.92x, of 2048 tokens 0.94x; single products of 128 rows with their weights
  * from memory 0.87-0.90x (576 x 3072, 576 x 960) and 0.95-0.97x (1536 x 576), and
  * with the weights in cache 1.0-1.1x.  Later row tiles of the stripe find them in
- * cache and ask for nothing.
+ * cache and ask for nothing; a stripe of more than MH_TILE_ASK_BYTES asks for its
+ * first rows only.
  */
 #include "mh_kernels.h"
+
+/* A stripe's first rows asked for, at most: the whole of a larger one, asked for
+   first, took 1.04-1.07x the time (128 rows of 4096 x 11008, 11008 x 4096, and 512
+   rows of 4096 x 4096 in 4 MB stripes, float32, weights from memory), its first
+   1 MB about the same time as not asking. */
+#define MH_TILE_ASK_BYTES ((int64_t)1 << 20)
 
 #if defined(_MSC_VER) && !defined(__clang__)
 #if defined(_M_X64) || defined(_M_IX86)
@@ -34,12 +42,14 @@
 #define MH_TILE_PREFETCH(p) __builtin_prefetch((p), 0, 2)
 #endif
 
-/* Asks for rows [0, k) of `bytes` bytes each, `stride` bytes apart, from p (a macro: as
-   a function of its own, which has no effect the compiler sees, its calls went away). */
+/* Asks for rows [0, k) of `bytes` bytes each, `stride` bytes apart, from p, up to
+   MH_TILE_ASK_BYTES of them (a macro: as a function of its own, which has no effect
+   the compiler sees, its calls went away). */
 #define MH_TILE_ASK(p, k, bytes, stride)                                                   \
     do {                                                                                   \
         const char *ask_ = (p);                                                            \
-        for (int64_t r_ = 0; r_ < (k); ++r_, ask_ += (stride))                             \
+        const int64_t most_ = MH_TILE_ASK_BYTES / (bytes), rows_ = (k) < most_ ? (k) : most_; \
+        for (int64_t r_ = 0; r_ < rows_; ++r_, ask_ += (stride))                           \
             for (int64_t c_ = 0; c_ < (bytes); c_ += 64) MH_TILE_PREFETCH(ask_ + c_);      \
     } while (0)
 
