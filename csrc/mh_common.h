@@ -22,19 +22,6 @@
 #else
 #define MH_INLINE static inline __attribute__((always_inline))
 #endif
-/* A hint that the cache line at p will be read soon (no effect where unknown);
-   MH_PREFETCH_L2: soon, but not before lines that are nearer (into L2, not L1). */
-#if defined(__GNUC__) || defined(__clang__)
-#define MH_PREFETCH(p) __builtin_prefetch(p)
-#define MH_PREFETCH_L2(p) __builtin_prefetch((p), 0, 2)
-#elif defined(_MSC_VER) && (defined(_M_X64) || defined(_M_IX86))
-#include <intrin.h>
-#define MH_PREFETCH(p) _mm_prefetch((const char *)(p), _MM_HINT_T0)
-#define MH_PREFETCH_L2(p) _mm_prefetch((const char *)(p), _MM_HINT_T1)
-#else
-#define MH_PREFETCH(p) ((void)(p))
-#define MH_PREFETCH_L2(p) ((void)(p))
-#endif
 /* Keys [*lo, *hi) that query row `row` may see under the causal triangle and
    the sliding window (all keys without a causal mask). */
 static inline void mh_visible_keys(const mh_attn_args *a, int64_t row, int64_t *lo, int64_t *hi)

@@ -45,6 +45,20 @@ extern "C" {
 #include "mh_formats.h"
 #include "mh_isa_list.h"
 
+/* A hint that the cache line at p will be read soon (no effect where unknown);
+   MH_PREFETCH_L2: soon, but not before lines that are nearer (into L2, not L1). */
+#if defined(__GNUC__) || defined(__clang__)
+#define MH_PREFETCH(p) __builtin_prefetch(p)
+#define MH_PREFETCH_L2(p) __builtin_prefetch((p), 0, 2)
+#elif defined(_MSC_VER) && (defined(_M_X64) || defined(_M_IX86))
+#include <intrin.h>
+#define MH_PREFETCH(p) _mm_prefetch((const char *)(p), _MM_HINT_T0)
+#define MH_PREFETCH_L2(p) _mm_prefetch((const char *)(p), _MM_HINT_T1)
+#else
+#define MH_PREFETCH(p) ((void)(p))
+#define MH_PREFETCH_L2(p) ((void)(p))
+#endif
+
 #define MH_BLOCK_Q 64   /* query rows per work item */
 #define MH_BLOCK_K 64   /* keys per streamed block */
 #define MH_FEW_ROWS 4   /* up to this many rows take the few-rows paths (decode) */

@@ -31,17 +31,6 @@
    1 MB about the same time as not asking. */
 #define MH_TILE_ASK_BYTES ((int64_t)1 << 20)
 
-#if defined(_MSC_VER) && !defined(__clang__)
-#if defined(_M_X64) || defined(_M_IX86)
-#include <xmmintrin.h>
-#define MH_TILE_PREFETCH(p) _mm_prefetch((const char *)(p), _MM_HINT_T1)
-#else
-#define MH_TILE_PREFETCH(p) ((void)(p))
-#endif
-#else
-#define MH_TILE_PREFETCH(p) __builtin_prefetch((p), 0, 2)
-#endif
-
 /* Asks for rows [0, k) of `bytes` bytes each, `stride` bytes apart, from p, up to
    MH_TILE_ASK_BYTES of them (a macro: as a function of its own, which has no effect
    the compiler sees, its calls went away). */
@@ -50,7 +39,7 @@
         const char *ask_ = (p);                                                            \
         const int64_t most_ = MH_TILE_ASK_BYTES / (bytes), rows_ = (k) < most_ ? (k) : most_; \
         for (int64_t r_ = 0; r_ < rows_; ++r_, ask_ += (stride))                           \
-            for (int64_t c_ = 0; c_ < (bytes); c_ += 64) MH_TILE_PREFETCH(ask_ + c_);      \
+            for (int64_t c_ = 0; c_ < (bytes); c_ += 64) MH_PREFETCH_L2(ask_ + c_);         \
     } while (0)
 
 #define MH_TILE_BODY(T, GEMM)                                                            \

@@ -199,11 +199,10 @@ void mh_read_ahead_until_arrival(const char *p, int64_t n, mh_team_barrier_t *b)
     for (int64_t off = 0; off < n; off += 64) {
 #if defined(_MSC_VER) && !defined(__clang__)
         if ((off & 1023) == 0 && b->count != 0) return;
-        _mm_prefetch(p + off, _MM_HINT_T0);
 #else
         if ((off & 1023) == 0 && __atomic_load_n(&b->count, __ATOMIC_RELAXED) != 0) return;
-        __builtin_prefetch(p + off);
 #endif
+        MH_PREFETCH(p + off);
     }
 }
 
