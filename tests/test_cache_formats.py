@@ -528,3 +528,67 @@ def test_a_half_or_int4_cache_refuses_finite_values_beyond_its_range(rng, window
     out = cache.attend(k, k, v)
     # (int4: the group holding inf comes back as NaN)
     assert len(cache) == 7 and not np.isfinite(out[0, 0, 0, 3]) and np.isfinite(out[0, 1]).all()
+
+
+@pytest.mark.parametrize("fmt", ["float32"] + FORMATS)
+@pytest.mark.parametrize("window", [None, 3])
+def test_a_one_token_step_stores_the_bits_quantize_gives(rng, fmt, window):
+    """A decoding step stores its token's keys and values in C, without the general
+    store's temporaries: the bits quantize() gives the same rows, in every slot of a
+    ring too, from keys and values laid out as a module's projection lays them out."""
+    B, H, D = 2, 3, 64
+    cache = mh.KVCache(B, 8, H, D, cache_dtype(fmt), window=window)
+    for t, size in enumerate([1.0, 1e-6, 300.0, 1.0, 0.05, 7.0]):
+        qkv = normal(rng, (B, 1, 3 * H * D), np.float32) * np.float32(size)
+        q, k, v = (qkv[..., i * H * D:(i + 1) * H * D].reshape(B, 1, H, D).transpose(0, 2, 1, 3)
+                   for i in range(3))
+        cache.attend(q, k, v)
+        slot = t % cache.capacity
+        for stored, scales, x in ((cache.keys, cache.key_scales, k),
+                                  (cache.values, cache.value_scales, v)):
+            want, want_scales = quantize(x[:, :, 0], fmt)
+            assert np.array_equal(stored[:, :, slot].view(np.uint8),
+                                  np.ascontiguousarray(want).view(np.uint8))
+            if want_scales is not None:
+                assert np.array_equal(scales[:, :, slot].view(np.uint8),
+                                      np.ascontiguousarray(want_scales).view(np.uint8))
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_a_stacked_step_stores_each_head_where_the_fused_step_does(rng, fmt):
+    """Each head of a stack stores its own kv head of the shared cache in a decoding
+    step: the cache ends as the fused module's, bit for bit."""
+    fused = mh.MultiHeadAttention(32, 128, 16, 0.0, 2, seed=3)
+    stacked = fused.to_stacked()
+    caches = [m.new_cache(1, 16, dtype=cache_dtype(fmt)) for m in (fused, stacked)]
+    for t in range(4):
+        x = normal(rng, (1, 1 if t else 3, 32), np.float32)
+        for m, c in zip((fused, stacked), caches):
+            m(x, cache=c)
+    for a, b in zip(*((c.keys, c.values, c.key_scales, c.value_scales) for c in caches)):
+        assert (a is None) == (b is None)
+        if a is not None:
+            assert np.array_equal(a.view(np.uint8), b.view(np.uint8))
+
+
+@pytest.mark.parametrize("fmt", ["float16", "bfloat16", "int4"])
+def test_a_one_token_step_refuses_values_past_the_format_before_storing(rng, fmt):
+    """The refusal of test_a_half_or_int4_cache_refuses_finite_values_beyond_its_range
+    for a decoding step of one token (stored in C): the same ValueError, the cache as it
+    was, its length too."""
+    cache = mh.KVCache(1, 8, 2, 32, cache_dtype(fmt))
+    x = normal(rng, (1, 2, 2, 32), np.float32)
+    cache.attend(x, x, x)
+    before = [a.copy() for a in (cache.keys, cache.values, cache.key_scales,
+                                 cache.value_scales) if a is not None]
+    k = normal(rng, (1, 2, 1, 32), np.float32)
+    v = k.copy()
+    v[0, 1, 0, 4] = {"float16": 7e4, "bfloat16": -3.4e38, "int4": 1e6}[fmt]
+    with pytest.raises(ValueError, match="new value has"):
+        cache.attend(k, k, v)
+    after = [a for a in (cache.keys, cache.values, cache.key_scales, cache.value_scales)
+             if a is not None]
+    assert len(cache) == 2
+    assert all(np.array_equal(a.view(np.uint8), b.view(np.uint8)) for a, b in zip(before, after))
+    cache.attend(k, k, k)  # (the values it holds: stored)
+    assert len(cache) == 3

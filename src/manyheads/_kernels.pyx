@@ -1511,25 +1511,130 @@ cdef void _st_norm_attn(LayerStep *s) noexcept nogil:
     mh_rms_norm_rows(s.x, s.B, s.d, s.d, s.norm_attn, s.eps, s.h, s.d)
 
 
+cdef void _store_row(int fmt, const float *src, int64_t D, char *at,
+                     char *sat) noexcept nogil:
+    """One float32 row of D keys or values into a cache's row ``at`` (and its scales at
+    ``sat``) in storage format ``fmt``, as cache.quantize stores it."""
+    cdef int64_t j
+    if fmt == MH_STORE_I8:
+        mh_quantize_i8(src, 1, D, <int8_t *>at, <float *>sat)
+    elif fmt == MH_STORE_I4:
+        mh_quantize_i4(src, 1, D, <uint8_t *>at, <uint16_t *>sat)
+    elif fmt == MH_STORE_F16:
+        for j in range(D):
+            (<uint16_t *>at)[j] = mh_float_to_half(src[j])
+    elif fmt == MH_STORE_BF16:
+        for j in range(D):
+            (<uint16_t *>at)[j] = mh_float_to_bf16(src[j])
+    else:
+        memcpy(at, src, D * sizeof(float))
+
+
+cdef bint _row_overflows(int fmt, const float *src, int64_t D) noexcept nogil:
+    """Whether a row cannot be stored in format ``fmt`` (cache.KVCache._converted's
+    ValueError): a finite value beyond a half format's range, an int4 group's pair
+    beyond float16's."""
+    if fmt == MH_STORE_F16 or fmt == MH_STORE_BF16:
+        return _half_overflows(src, D, fmt == MH_STORE_BF16)
+    if fmt == MH_STORE_I4:
+        return mh_i4_overflows(src, 1, D) != 0
+    return False
+
+
+cdef bint _rows_like(cnp.ndarray a, cnp.ndarray ref, int64_t cols, int64_t itemsize):
+    """Whether ``a`` is a writable 4-d array of ``ref``'s first three dimensions with
+    rows of ``cols`` contiguous items of ``itemsize`` bytes, strided as ``ref`` is when
+    ``ref`` holds the same items."""
+    cdef int d
+    if (a.ndim != 4 or a.shape[3] != cols or a.itemsize != itemsize
+            or a.strides[3] != itemsize or not cnp.PyArray_ISWRITEABLE(a)):
+        return False
+    for d in range(3):
+        if a.shape[d] != ref.shape[d] or (ref.itemsize == itemsize and ref.shape[3] == cols
+                                          and a.strides[d] != ref.strides[d]):
+            return False
+    return True
+
+
+def store_token(int code, cnp.ndarray k, cnp.ndarray v, cnp.ndarray keys,
+                cnp.ndarray values, key_scales, value_scales, int64_t h0, int64_t slot):
+    """Store one token's keys and values ``k``, ``v`` (B, h, 1, D) float32 (rows of D
+    contiguous) into kv heads [h0, h0 + h) of a cache's arrays (B, Hkv, capacity, ...)
+    at ``slot``, in storage format ``code``, as cache.quantize stores them (a decoding
+    step's store, without the temporaries and checks of the general one).  False, with
+    nothing stored, where it cannot: another dtype or layout, or a value the format
+    cannot hold (the general path then stores, or says why)."""
+    cdef int64_t B, h, D, b, hd, cols, scols, itemsize, sitemsize
+    cdef char *kd
+    cdef char *vd
+    cdef char *ko
+    cdef char *vo
+    cdef char *kso = NULL
+    cdef char *vso = NULL
+    cdef cnp.ndarray ks, vs
+    cdef cnp.npy_intp *kst
+    cdef cnp.npy_intp *vst
+    cdef cnp.npy_intp *ost
+    cdef cnp.npy_intp *sst
+    cdef bint over = False
+    if (cnp.PyArray_TYPE(k) != cnp.NPY_FLOAT32 or cnp.PyArray_TYPE(v) != cnp.NPY_FLOAT32
+            or k.ndim != 4 or v.ndim != 4 or keys.ndim != 4 or values.ndim != 4):
+        return False
+    B, h, D = k.shape[0], k.shape[1], k.shape[3]
+    if (v.shape[0] != B or v.shape[1] != h or v.shape[3] != D or k.shape[2] != 1
+            or v.shape[2] != 1 or k.strides[3] != 4 or v.strides[3] != 4 or D < 1):
+        return False
+    if code == MH_STORE_F32:
+        cols, itemsize, scols, sitemsize = D, 4, 0, 0
+    elif code == MH_STORE_F16 or code == MH_STORE_BF16:
+        cols, itemsize, scols, sitemsize = D, 2, 0, 0
+    elif code == MH_STORE_I8:
+        cols, itemsize, scols, sitemsize = D, 1, 1, 4
+    elif code == MH_STORE_I4 and D % MH_I4_GROUP == 0:
+        cols, itemsize, scols, sitemsize = D // 2, 1, 2 * (D // MH_I4_GROUP), 2
+    else:
+        return False
+    if (keys.shape[0] != B or h0 < 0 or h0 + h > keys.shape[1] or slot < 0
+            or slot >= keys.shape[2] or not _rows_like(keys, keys, cols, itemsize)
+            or not _rows_like(values, keys, cols, itemsize)):
+        return False
+    if scols:
+        if not isinstance(key_scales, np.ndarray) or not isinstance(value_scales, np.ndarray):
+            return False
+        ks, vs = key_scales, value_scales
+        if not _rows_like(ks, keys, scols, sitemsize) or not _rows_like(vs, ks, scols, sitemsize):
+            return False
+        sst = cnp.PyArray_STRIDES(ks)
+        kso = <char *>cnp.PyArray_DATA(ks) + h0 * sst[1] + slot * sst[2]
+        vso = <char *>cnp.PyArray_DATA(vs) + h0 * sst[1] + slot * sst[2]
+    kst, vst, ost = cnp.PyArray_STRIDES(k), cnp.PyArray_STRIDES(v), cnp.PyArray_STRIDES(keys)
+    kd, vd = <char *>cnp.PyArray_DATA(k), <char *>cnp.PyArray_DATA(v)
+    ko = <char *>cnp.PyArray_DATA(keys) + h0 * ost[1] + slot * ost[2]
+    vo = <char *>cnp.PyArray_DATA(values) + h0 * ost[1] + slot * ost[2]
+    with nogil:
+        for b in range(B):  # every row checked before any is stored
+            for hd in range(h):
+                if (_row_overflows(code, <const float *>(kd + b * kst[0] + hd * kst[1]), D) or
+                        _row_overflows(code, <const float *>(vd + b * vst[0] + hd * vst[1]), D)):
+                    over = True
+        if not over:
+            for b in range(B):
+                for hd in range(h):
+                    _store_row(code, <const float *>(kd + b * kst[0] + hd * kst[1]), D,
+                               ko + b * ost[0] + hd * ost[1],
+                               kso + b * sst[0] + hd * sst[1] if scols else NULL)
+                    _store_row(code, <const float *>(vd + b * vst[0] + hd * vst[1]), D,
+                               vo + b * ost[0] + hd * ost[1],
+                               vso + b * sst[0] + hd * sst[1] if scols else NULL)
+    return not over
+
+
 cdef void _st_store(LayerStep *s, const float *src, char *data, char *scales, int64_t b,
                     int64_t hd) noexcept nogil:
     cdef char *at = data + b * s.kv_s[0] + hd * s.kv_s[1] + s.slot * s.kv_s[2]
     cdef char *sat = scales + b * s.sc_s[0] + hd * s.sc_s[1] + s.slot * s.sc_s[2] \
         if scales != NULL else NULL
-    cdef int64_t j
-    if s.kv_fmt == MH_STORE_I8:
-        mh_quantize_i8(src, 1, s.D, <int8_t *>at, <float *>sat)
-    elif s.kv_fmt == MH_STORE_I4:
-        mh_quantize_i4(src, 1, s.D, <uint8_t *>at, <uint16_t *>sat)
-    elif s.kv_fmt == MH_STORE_F16:
-        for j in range(s.D):
-            (<uint16_t *>at)[j] = mh_float_to_half(src[j])
-    elif s.kv_fmt == MH_STORE_BF16:
-        for j in range(s.D):
-            (<uint16_t *>at)[j] = mh_float_to_bf16(src[j])
-    else:
-        for j in range(s.D):
-            (<float *>at)[j] = src[j]
+    _store_row(s.kv_fmt, src, s.D, at, sat)
 
 
 cdef bint _half_overflows(const float *x, int64_t n, bint bf16) noexcept nogil:

@@ -154,6 +154,7 @@ class KVCache:
             raise ValueError(f"an {fmt.name} cache needs head_dim to be a multiple of "
                              f"{fmt.group}, got {head_dim}")
         self.format = fmt.name
+        self._code = fmt.code  # (the kernels' storage code)
         self.batch_size = int(batch_size)
         self.max_len = int(max_len)
         self.num_kv_heads = int(num_kv_heads)
@@ -453,7 +454,12 @@ class KVCache:
         (with ``sinks``, float32 (Hq,), those sink logits) into ``out``; the length is
         the caller's to advance."""
         slot, n, offset, window = self._decode_slot()
-        self._store(heads, slice(slot, slot + 1), k_new, v_new)
+        # (in C where it can: the general store's conversion, checks and temporaries
+        # cost a quantised cache's step some 10 us)
+        if heads.step is not None or not _kernels.store_token(
+                self._code, k_new, v_new, self.keys, self.values, self.key_scales,
+                self.value_scales, heads.start or 0, slot):
+            self._store(heads, slice(slot, slot + 1), k_new, v_new)
         st = self._stored(heads, slice(0, n))
         if not _core.attend_decode(q, st.k, st.v, st.k_scale, st.v_scale, scale=scale,
                                    causal_offset=offset, window=window, softcap=softcap,
