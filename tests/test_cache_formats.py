@@ -592,3 +592,16 @@ def test_a_one_token_step_refuses_values_past_the_format_before_storing(rng, fmt
     assert all(np.array_equal(a.view(np.uint8), b.view(np.uint8)) for a, b in zip(before, after))
     cache.attend(k, k, k)  # (the values it holds: stored)
     assert len(cache) == 3
+
+
+def test_a_one_token_step_may_take_its_keys_from_the_cache_itself(rng):
+    """New keys and values that are views of the cache's own rows (a copy of earlier
+    tokens) are stored as they were before the step."""
+    cache = mh.KVCache(1, 8, 2, 32)
+    x = normal(rng, (1, 2, 3, 32), np.float32)
+    cache.attend(x, x, normal(rng, (1, 2, 3, 32), np.float32))
+    want_k, want_v = cache.keys[:, :, 0].copy(), cache.values[:, :, 1].copy()
+    out = cache.attend(x[:, :, :1], cache.keys[:, :, 0:1], cache.values[:, :, 1:2])
+    assert len(cache) == 4 and np.isfinite(out).all()
+    assert np.array_equal(cache.keys[:, :, 3], want_k)
+    assert np.array_equal(cache.values[:, :, 3], want_v)

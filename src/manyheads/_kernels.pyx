@@ -15,7 +15,7 @@ from cython.parallel cimport parallel, prange, threadid
 from libc.stdint cimport int8_t, int32_t, int64_t, uint8_t, uint16_t, uint64_t, uintptr_t
 from libc.stdlib cimport calloc, free, malloc
 from libc.math cimport frexpf, isfinite, ldexpf, sqrt
-from libc.string cimport memcpy, memset
+from libc.string cimport memcpy, memmove, memset
 from cpython.pythread cimport PyThread_get_thread_ident
 
 cimport numpy as cnp
@@ -1527,7 +1527,7 @@ cdef void _store_row(int fmt, const float *src, int64_t D, char *at,
         for j in range(D):
             (<uint16_t *>at)[j] = mh_float_to_bf16(src[j])
     else:
-        memcpy(at, src, D * sizeof(float))
+        memmove(at, src, D * sizeof(float))
 
 
 cdef bint _row_overflows(int fmt, const float *src, int64_t D) noexcept nogil:
@@ -1539,6 +1539,25 @@ cdef bint _row_overflows(int fmt, const float *src, int64_t D) noexcept nogil:
     if fmt == MH_STORE_I4:
         return mh_i4_overflows(src, 1, D) != 0
     return False
+
+
+cdef bint _overlaps(cnp.ndarray a, cnp.ndarray b):
+    """Whether the bytes a and b may touch overlap (either's strides negative: yes)."""
+    cdef char *lo[2]
+    cdef char *hi[2]
+    cdef int i, d
+    cdef cnp.ndarray x
+    for i in range(2):
+        x = a if i == 0 else b
+        lo[i] = <char *>cnp.PyArray_DATA(x)
+        hi[i] = lo[i] + <Py_ssize_t>cnp.PyArray_ITEMSIZE(x)
+        for d in range(x.ndim):
+            if x.strides[d] < 0:
+                return True
+            if x.shape[d] == 0:
+                return False
+            hi[i] += (x.shape[d] - 1) * x.strides[d]
+    return lo[0] < hi[1] and lo[1] < hi[0]
 
 
 cdef bint _rows_like(cnp.ndarray a, cnp.ndarray ref, int64_t cols, int64_t itemsize):
@@ -1609,6 +1628,10 @@ def store_token(int code, cnp.ndarray k, cnp.ndarray v, cnp.ndarray keys,
         vso = <char *>cnp.PyArray_DATA(vs) + h0 * sst[1] + slot * sst[2]
     kst, vst, ost = cnp.PyArray_STRIDES(k), cnp.PyArray_STRIDES(v), cnp.PyArray_STRIDES(keys)
     kd, vd = <char *>cnp.PyArray_DATA(k), <char *>cnp.PyArray_DATA(v)
+    # (new rows that share memory with the cache, as a view of it would: the general store)
+    for a in (keys, values, key_scales, value_scales):
+        if a is not None and (_overlaps(k, a) or _overlaps(v, a)):
+            return False
     ko = <char *>cnp.PyArray_DATA(keys) + h0 * ost[1] + slot * ost[2]
     vo = <char *>cnp.PyArray_DATA(values) + h0 * ost[1] + slot * ost[2]
     with nogil:
