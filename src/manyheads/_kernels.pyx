@@ -1597,7 +1597,7 @@ def store_token(int code, cnp.ndarray k, cnp.ndarray v, cnp.ndarray keys,
     cdef cnp.npy_intp *sst
     cdef bint over = False
     if (cnp.PyArray_TYPE(k) != cnp.NPY_FLOAT32 or cnp.PyArray_TYPE(v) != cnp.NPY_FLOAT32
-            or k.ndim != 4 or v.ndim != 4 or keys.ndim != 4 or values.ndim != 4):
+            or not cnp.PyArray_ISALIGNED(k) or not cnp.PyArray_ISALIGNED(v) or k.ndim != 4 or v.ndim != 4 or keys.ndim != 4 or values.ndim != 4):
         return False
     B, h, D = k.shape[0], k.shape[1], k.shape[3]
     if (v.shape[0] != B or v.shape[1] != h or v.shape[3] != D or k.shape[2] != 1

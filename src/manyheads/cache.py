@@ -456,9 +456,10 @@ class KVCache:
         slot, n, offset, window = self._decode_slot()
         # (in C where it can: the general store's conversion, checks and temporaries
         # cost a quantised cache's step some 10 us)
-        if heads.step is not None or not _kernels.store_token(
+        h0, h1, every = heads.indices(self.num_kv_heads)
+        if every != 1 or k_new.shape[1] != h1 - h0 or not _kernels.store_token(
                 self._code, k_new, v_new, self.keys, self.values, self.key_scales,
-                self.value_scales, heads.start or 0, slot):
+                self.value_scales, h0, slot):
             self._store(heads, slice(slot, slot + 1), k_new, v_new)
         st = self._stored(heads, slice(0, n))
         if not _core.attend_decode(q, st.k, st.v, st.k_scale, st.v_scale, scale=scale,
