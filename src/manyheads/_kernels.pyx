@@ -930,7 +930,7 @@ cdef class AttentionCall:
     cdef mh_call_desc desc
     cdef const mh_kernel_table *table
     cdef bint is_f64
-    cdef list _keep
+    cdef list _keep         # the arrays the call points into: one per table, and weights
     cdef object _parts      # the split partial sums of the latest run (see _prepare)
     cdef int _requested     # threads asked for
     cdef int64_t *_offsets  # 10 tables: q, k, v, out, mask, k_scale, v_scale, alibi, sinks, lse
@@ -938,7 +938,7 @@ cdef class AttentionCall:
 
     def __cinit__(self, *args, **kwargs):
         self.table = _table
-        self._keep = []
+        self._keep = [None] * 11
 
     def __init__(self, bint float64, tuple shape, tuple formats, tuple kv,
                  int64_t gqa=1, int mask=0, bint weights=False, bint dropout=False,
@@ -1035,7 +1035,7 @@ cdef class AttentionCall:
         cdef int nd = cnp.PyArray_NDIM(view)
         cdef cnp.npy_intp *strides = cnp.PyArray_STRIDES(view)
         cdef int64_t *off = self._offsets + table * self._table_len
-        self._keep.append(view)
+        self._keep[table] = view  # (an operand set again lets its last array go)
         _batch_offsets(view, n_batch, off)
         op.base = cnp.PyArray_DATA(view)
         op.off = off
@@ -1129,7 +1129,7 @@ cdef class AttentionCall:
 
     def set_weights(self, weights):
         """Dense (pairs, L, S) C-contiguous zeros of the call's float type, filled by the run."""
-        self._keep.append(weights)
+        self._keep[10] = weights
         self.a.weights = _data(weights)
 
     cdef int _prepare(self, Job *job) except -1:
