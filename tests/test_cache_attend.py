@@ -125,3 +125,52 @@ def test_a_modules_one_token_steps_take_the_lean_path_with_the_general_bits(
     np.testing.assert_array_equal(lean.keys, general.keys)
     # each one-token step (a stack's once a head), none of the others
     assert taken == [n for n in range(5, 13) for _ in range(6 if stacked else 1)]
+
+
+def test_a_decoding_call_set_again_lets_the_last_arrays_go(rng):
+    """A cache keeps its last step's attention call for the next token, giving it that
+    token's queries and output: the call holds only the arrays it was given last."""
+    import gc
+    import weakref
+
+    from manyheads import _core
+    cache = mh.KVCache(1, 64, 2, 32)
+    x = normal(rng, (1, 2, 8, 32), np.float32)
+    cache.attend(x, x, x)
+    st = cache._stored(slice(None), slice(0, 8))
+    q, out = normal(rng, (1, 4, 1, 32), np.float32), np.empty((1, 4, 1, 32), np.float32)
+    call = _core.decode_call(q, st.k, st.v, None, None, scale=0.5, causal_offset=7,
+                             window=None, softcap=None, num_threads=1, out=out)
+    seen = []
+    for n in range(9, 40):
+        q, out = normal(rng, (1, 4, 1, 32), np.float32), np.empty((1, 4, 1, 32), np.float32)
+        seen += [weakref.ref(q), weakref.ref(out)]
+        assert call.retarget(n, n - 1, 0)
+        _core.decode_rebind(call, q, out)
+    del q, out
+    gc.collect()
+    assert sum(r() is not None for r in seen) == 2  # the last query and output
+
+
+@pytest.mark.parametrize("how", ["copy", "pickle"])
+def test_a_copied_cache_decodes_over_its_own_rows(rng, how):
+    """A cache copied (or pickled) after decoding steps decodes the next tokens over its
+    own rows: the same results as the original while both hold the same tokens, its
+    own once they differ, and neither changes the other."""
+    import pickle
+    cache = mh.KVCache(1, 32, 2, 32, "int8")
+    x = normal(rng, (1, 2, 6, 32), np.float32)
+    cache.attend(x, x, x)
+    for _ in range(3):
+        t = normal(rng, (1, 2, 1, 32), np.float32)
+        cache.attend(t, t, t)
+    twin = cache.copy() if how == "copy" else pickle.loads(pickle.dumps(cache))
+    t = normal(rng, (1, 2, 1, 32), np.float32)
+    np.testing.assert_array_equal(twin.attend(t, t, t), cache.attend(t, t, t))
+    a, b = (normal(rng, (1, 2, 1, 32), np.float32) for _ in range(2))
+    got_twin, got = twin.attend(a, a, a), cache.attend(b, b, b)
+    fresh = twin.copy()
+    fresh.truncate(len(twin) - 1)
+    np.testing.assert_array_equal(got_twin, fresh.attend(a, a, a))
+    assert not np.array_equal(got_twin, got)
+    assert not np.array_equal(twin.keys[:, :, 10], cache.keys[:, :, 10])

@@ -405,9 +405,8 @@ def decode_call(q: np.ndarray, k: np.ndarray, v: np.ndarray, k_scale: np.ndarray
     if call.group != gqa or not Ev:
         return None
     grouped = gqa > 1
-    call.set_query(_split_axis(q, 1, gqa) if grouped else q, 3 if grouped else 2)
+    decode_rebind(call, q, out)
     call.set_keys_values(kvs[0], kvs[1], 2, *(kvs[2:] if len(kvs) == 4 else (None, None)))
-    call.set_output(_split_axis(out, 1, gqa) if grouped else out, 3 if grouped else 2)
     if causal_offset is not None:
         call.set_causal(int(causal_offset), 0 if window is None else int(window))
     call.set_scale(float(scale))
@@ -417,6 +416,14 @@ def decode_call(q: np.ndarray, k: np.ndarray, v: np.ndarray, k_scale: np.ndarray
         view = _broadcast(np.asarray(sinks, np.float32)[:, None, None], (B, Hq, 1, 1))
         call.set_sinks(_split_axis(view, 1, gqa) if grouped else view, 3 if grouped else 2)
     return call
+
+
+def decode_rebind(call: Any, q: np.ndarray, out: np.ndarray) -> None:
+    """Set a :func:`decode_call`'s queries and output: its own, or the next token's,
+    laid out as its first were (the same shapes and strides; after ``retarget``)."""
+    gqa = call.group
+    call.set_query(_split_axis(q, 1, gqa) if gqa > 1 else q, 3 if gqa > 1 else 2)
+    call.set_output(_split_axis(out, 1, gqa) if gqa > 1 else out, 3 if gqa > 1 else 2)
 
 
 def attend_decode(q: np.ndarray, k: np.ndarray, v: np.ndarray, k_scale: np.ndarray | None,
