@@ -426,20 +426,6 @@ def decode_rebind(call: Any, q: np.ndarray, out: np.ndarray) -> None:
     call.set_output(_split_axis(out, 1, gqa) if gqa > 1 else out, 3 if gqa > 1 else 2)
 
 
-def attend_decode(q: np.ndarray, k: np.ndarray, v: np.ndarray, k_scale: np.ndarray | None,
-                  v_scale: np.ndarray | None, *, scale: float, causal_offset: int | None,
-                  window: int | None, softcap: float | None, num_threads: int,
-                  out: np.ndarray, sinks: np.ndarray | None = None) -> bool:
-    """:func:`decode_call`, run; False (nothing done) where that gives None."""
-    call = decode_call(q, k, v, k_scale, v_scale, scale=scale, causal_offset=causal_offset,
-                       window=window, softcap=softcap, num_threads=num_threads, out=out,
-                       sinks=sinks)
-    if call is None:
-        return False
-    call.run(_on_main_thread())
-    return True
-
-
 def _set_features(call: Any, features: ScoreFeatures, lse: np.ndarray | None,
                   compute: np.dtype, heads_batch: tuple[int, ...], group: int, nb: int) -> None:
     """The soft cap, the per-query-head slopes and sinks (laid out as the queries) and

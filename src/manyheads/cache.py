@@ -440,8 +440,8 @@ class KVCache:
         """A module's decoding step without padding: append one token's keys and values
         (B, Hkv, 1, D) and write its queries' (B, Hq, 1, D) attention over everything
         cached into ``out``, as :meth:`CacheStep.attend` does, with less per-call work
-        (:func:`manyheads._core.attend_decode`).  False, with nothing changed, when the
-        cache holds padding (the general step takes it)."""
+        (:func:`manyheads._core.decode_call`, kept for the next token).  False, with
+        nothing changed, when the cache holds padding (the general step takes it)."""
         if self._any_padding or k_new.shape[2] != 1:
             return False
         with _Held(self):  # (the module has checked the room: check_compatible)
