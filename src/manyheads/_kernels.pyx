@@ -1597,7 +1597,8 @@ def store_token(int code, cnp.ndarray k, cnp.ndarray v, cnp.ndarray keys,
     cdef cnp.npy_intp *sst
     cdef bint over = False
     if (cnp.PyArray_TYPE(k) != cnp.NPY_FLOAT32 or cnp.PyArray_TYPE(v) != cnp.NPY_FLOAT32
-            or not cnp.PyArray_ISALIGNED(k) or not cnp.PyArray_ISALIGNED(v) or k.ndim != 4 or v.ndim != 4 or keys.ndim != 4 or values.ndim != 4):
+            or not cnp.PyArray_ISALIGNED(k) or not cnp.PyArray_ISALIGNED(v)
+            or k.ndim != 4 or v.ndim != 4 or keys.ndim != 4 or values.ndim != 4):
         return False
     B, h, D = k.shape[0], k.shape[1], k.shape[3]
     if (v.shape[0] != B or v.shape[1] != h or v.shape[3] != D or k.shape[2] != 1
@@ -1615,7 +1616,7 @@ def store_token(int code, cnp.ndarray k, cnp.ndarray v, cnp.ndarray keys,
         return False
     if (keys.shape[0] != B or h0 < 0 or h0 + h > keys.shape[1] or slot < 0
             or slot >= keys.shape[2] or not _rows_like(keys, keys, cols, itemsize)
-            or not _rows_like(values, keys, cols, itemsize)):
+            or not _rows_like(values, keys, cols, itemsize)):  # (keys: their layout)
         return False
     if scols:
         if not isinstance(key_scales, np.ndarray) or not isinstance(value_scales, np.ndarray):
@@ -1692,14 +1693,10 @@ cdef void _st_qkv(LayerStep *s) noexcept nogil:
         if s.rot_n:
             mh_rotate_heads(row, 1, s.H, 1, 0, s.D, 0, 1, s.rot_n, s.cos, s.sin)
             mh_rotate_heads(kp, 1, s.Hkv, 1, 0, s.D, 0, 1, s.rot_n, s.cos, s.sin)
-    if (s.kv_fmt == MH_STORE_F16 or s.kv_fmt == MH_STORE_BF16) and not s.overflow[0]:
+    if not s.overflow[0]:
         for b in range(s.B):  # the keys and values of every row, before any is stored
-            if _half_overflows(s.qkv + b * s.n_qkv + s.H * s.D, 2 * s.Hkv * s.D,
-                               s.kv_fmt == MH_STORE_BF16):
-                s.overflow[0] = 1
-    if s.kv_fmt == MH_STORE_I4 and not s.overflow[0]:
-        for b in range(s.B):  # (a group's float16 step or minimum would be inf)
-            if mh_i4_overflows(s.qkv + b * s.n_qkv + s.H * s.D, 2 * s.Hkv, s.D):
+            # (int4: D is whole groups, so the row's groups are its heads' groups)
+            if _row_overflows(s.kv_fmt, s.qkv + b * s.n_qkv + s.H * s.D, 2 * s.Hkv * s.D):
                 s.overflow[0] = 1
     if s.overflow[0]:  # this layer and those after it store nothing: the run is void
         return

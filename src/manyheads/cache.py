@@ -473,6 +473,7 @@ class KVCache:
         key = (h0, h1, q.shape, q.strides, out.shape, out.strides, scale, softcap,
                num_threads) if sinks is None and every == 1 and q.flags.aligned else None
         last = self._calls.pop(key, None) if key is not None else None
+        st = None
         if last is not None and all(map(operator.is_, last[1], arrays)) and \
                 last[0].retarget(n, offset, window or 0):
             call = last[0]
@@ -488,8 +489,8 @@ class KVCache:
                     self._calls.clear()
                 self._calls[key] = (call, arrays)
             call.run(_core._on_main_thread())
-        else:
-            st = self._stored(heads, slice(0, n))
+        else:  # (no call was planned, so st holds the stored rows' views)
+            assert st is not None
             features = None if softcap is None and sinks is None else \
                 (softcap, sinks, None, False)
             _core.attention(q, st.k, st.v, k_scale=st.k_scale, v_scale=st.v_scale,
