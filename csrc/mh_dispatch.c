@@ -70,7 +70,7 @@ static unsigned long long mh_xgetbv0(void)
 
 mh_cpu_features mh_cpu_detect(void)
 {
-    mh_cpu_features f = {0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0};
+    mh_cpu_features f = {0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0};
 #ifdef MH_X86
     unsigned r[4];
     mh_cpuid(0, 0, r);
@@ -91,6 +91,7 @@ mh_cpu_features mh_cpu_detect(void)
     f.avx512f = (r[1] >> 16) & 1;
     f.avx512bw = (r[1] >> 30) & 1;
     f.avx512vnni = (r[2] >> 11) & 1;
+    f.avx512vbmi = (r[2] >> 1) & 1;
     if (r[0] >= 1) { /* subleaf 1: EAX bit 5 is AVX512_BF16 */
         mh_cpuid(7, 1, r);
         f.avx512bf16 = (r[0] >> 5) & 1;
@@ -116,6 +117,24 @@ int mh_cpu_is_amd(void)
     static volatile int known = -1;
     if (known < 0) known = mh_cpu_detect().amd;
     return known;
+}
+
+/* (-1: not asked yet; threads racing store the same) */
+static volatile int mh_permutes_known = -1, mh_permutes_allowed = 1;
+
+int mh_byte_permutes(void)
+{
+    if (mh_permutes_known < 0) {
+        const mh_cpu_features f = mh_cpu_detect();
+        mh_permutes_known = f.os_zmm && f.avx512bw && f.avx512vbmi;
+    }
+    return mh_permutes_known && mh_permutes_allowed;
+}
+
+int mh_set_byte_permutes(int allow)
+{
+    mh_permutes_allowed = allow != 0;
+    return mh_byte_permutes();
 }
 
 int mh_cpu_supports(int isa)

@@ -152,4 +152,4 @@ void FN(mh_merge_item)(const mh_attn_args *a, int64_t pair, void *scratch)
 }
 
 /* What this instantiation can do, for the planner (mh_plan_attention). */
-const mh_caps FN(mh_caps) = {VW, MH_IN_PLACE_FORMATS, MH_HAS_BF16_DOT};
+const mh_caps FN(mh_caps) = {VW, MH_IN_PLACE_FORMATS, MH_HAS_BF16_DOT, MH_HAS_I4_DOTS};

@@ -373,17 +373,11 @@ MH_INLINE void FN(few_rows_output_cols)(T *acc, int64_t evp, const T *alpha, con
             const int64_t n16 = nk / 16 * 16;
             j = n16;
             for (int r = 0; r < R; ++r) {
-                FN(i4_mix_w) mw[4 * NVO / 4];
-                int ok = 1;
-                for (int gp = 0; gp < NC / 4 && ok; ++gp)
-                    ok = FN(i4_mix_weights)(p + r * BK, v, g0 + 2 * gp, n16, &mw[gp]);
-                if (!ok) {
+                const FN(kv_rows) pfr = r == 0 ? pf : FN(no_rows);
+                if (!FN(i4_mix_dots)(p + r * BK, v, g0, n16, NC / 4, o[r], pfr)) {
                     j = 0;
                     continue;
                 }
-                for (int gp = 0; gp < NC / 4; ++gp)
-                    FN(i4_mix_rows)(&mw[gp], v, g0 + 2 * gp, n16, o[r] + 4 * gp,
-                                    r == 0 && gp == 0 ? pf : FN(no_rows));
                 from[r] = n16;
             }
         }

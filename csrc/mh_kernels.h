@@ -145,6 +145,7 @@ typedef struct mh_plan {
     int merge_threads;  /* ... and of the merge pass */
     int prefetch;       /* the few-rows path asks for rows ahead (large K/V) */
     int prefetch_near;  /* ... int4 rows one phase ahead, into L1 (mh_kv_rows.h) */
+    int i4_permutes;    /* int4 values mixed through byte permutes (mh_i4_dots.h) */
     int64_t widened_rows; /* tile path over float16/bfloat16 K/V: rows each
                              thread keeps widened (kv_len), 0: none */
     size_t scratch_stride; /* bytes between two threads' scratch areas */
@@ -175,6 +176,8 @@ typedef struct mh_caps {
     int lanes;          /* elements per vector */
     unsigned in_place;  /* bit (1 << fmt): few-rows path reads fmt in place */
     int pair_dot;       /* bfloat16 pair dot products (MH_PATH_PAIRS) */
+    int byte_permutes;  /* an int4 value mix through AVX512-VBMI byte permutes,
+                           for CPUs that have them (mh_i4_dots.h) */
 } mh_caps;
 
 /* Fills *plan for the call *d on an instantiation with capabilities *caps. */
@@ -470,7 +473,7 @@ typedef struct mh_cpu_features {
     unsigned avx : 1, fma : 1, f16c : 1, avx2 : 1, avx512f : 1;
     unsigned os_ymm : 1; /* the OS saves YMM state */
     unsigned os_zmm : 1; /* ... and opmask and ZMM state */
-    unsigned avx512bw : 1, avx512bf16 : 1, avx512vnni : 1;
+    unsigned avx512bw : 1, avx512bf16 : 1, avx512vnni : 1, avx512vbmi : 1;
     unsigned amd : 1;    /* the vendor is AuthenticAMD */
 } mh_cpu_features;
 
@@ -478,6 +481,14 @@ mh_cpu_features mh_cpu_detect(void);
 
 /* 1 on an AMD CPU (detected once), 0 otherwise. */
 int mh_cpu_is_amd(void);
+
+/* 1 while the int4 value mix may use AVX512-VBMI byte permutes: the CPU has them
+   (detected once) and mh_set_byte_permutes has not turned them off. */
+int mh_byte_permutes(void);
+
+/* Allows (1) or forbids (0) the byte permutes for later plans, so that tests can
+   run the mix without them on any CPU; returns mh_byte_permutes(). */
+int mh_set_byte_permutes(int allow);
 
 /* Name of `isa` (mh_isa_list.h), NULL when out of range.  The enum runs from
    the best path to the baseline. */

@@ -10,6 +10,7 @@ typedef struct {
     const char *scale; int64_t scale_bytes; /* int8 / int4: row j's scale(s) */
     int to_l2; /* FN(prefetch_rows) asks for these rows into L2 (else L1) */
     int with_scales; /* ... and for their scale rows, into L1 */
+    int permutes; /* int4 values: mixed through byte permutes (plan->i4_permutes) */
 } FN(kv_rows);
 
 MH_INLINE FN(kv_rows) FN(kv_in_place)(const mh_attn_args *a, const mh_operand *src,
@@ -27,6 +28,7 @@ MH_INLINE FN(kv_rows) FN(kv_in_place)(const mh_attn_args *a, const mh_operand *s
     const int near = a->kv_format == MH_STORE_I4 && a->plan->prefetch_near;
     r.to_l2 = a->kv_format != MH_STORE_I8 && !near;
     r.with_scales = near;
+    r.permutes = a->plan->i4_permutes;
     if (a->kv_format == MH_STORE_I8 || a->kv_format == MH_STORE_I4) {
         const int64_t sb = a->kv_format == MH_STORE_I8 ? 4 : 2; /* float32 / float16 */
         r.scale = (const char *)scale->base + (scale->off[pair] + k0 * scale->row) * sb;
@@ -100,7 +102,7 @@ static inline void FN(prefetch_rows)(FN(kv_rows) p, int64_t j, int64_t n)
         for (int64_t r = j; r < j + n; ++r) MH_PREFETCH(p.base + r * p.row_bytes + x);
 }
 
-static const FN(kv_rows) FN(no_rows) = {0, 0, 0, 0, 0, 0, 0};
+static const FN(kv_rows) FN(no_rows) = {0, 0, 0, 0, 0, 0, 0, 0};
 
 /* r from its row j on */
 MH_INLINE FN(kv_rows) FN(kv_skip)(FN(kv_rows) r, int64_t j)

@@ -196,6 +196,7 @@ void mh_plan_attention(const mh_call_desc *d, const mh_caps *caps, mh_plan *p)
         p->prefetch = elems * mh_storage_bits(d->kv_format) / 8 >= MH_PREFETCH_MIN_BYTES;
         p->prefetch_near = !mh_cpu_is_amd(); /* (read only where prefetch is set) */
     }
+    p->i4_permutes = caps->byte_permutes && d->kv_format == MH_STORE_I4 && mh_byte_permutes();
     p->scratch_stride = mh_scratch_stride(E, Ev, (size_t)d->elem_size) +
                         (p->widened_rows ? mh_widened_bytes(E, Ev, S) : 0);
     p->partial_elems = p->n_split ? (size_t)(p->n_pairs * p->n_split * rows * (Ev + 2)) : 0;

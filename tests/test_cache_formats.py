@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 import manyheads as mh
-from manyheads import _core, oracle
+from manyheads import _core, _kernels, oracle
 from manyheads.cache import dequantize, quantize
 
 from conftest import F32_ATOL, normal
@@ -376,8 +376,16 @@ def test_int4_decode_of_queries_far_from_unit_size(rng, E):
     np.testing.assert_allclose(grouped[0, :4], ref[0, :4], rtol=0, atol=2e-6)
 
 
+@pytest.fixture(params=[True, False], ids=["permutes", "shuffles"])
+def byte_permutes(request):
+    """The int4 value mix with AVX512-VBMI byte permutes allowed (used where the CPU has
+    them) or forbidden (the shuffles every AVX512-VNNI CPU runs); True if they are used."""
+    yield _kernels.set_byte_permutes(request.param)
+    _kernels.set_byte_permutes(True)
+
+
 @pytest.mark.parametrize("E", [64, 128])
-def test_int4_decode_of_values_whose_groups_differ_by_decades(rng, E):
+def test_int4_decode_of_values_whose_groups_differ_by_decades(rng, E, byte_permutes):
     """int4 values are mixed by integer dot products where the CPU has them, each group's
     weights written as integers on that group's own scale: channel groups whose values
     are 1e-6 and 1e3 in size each keep their own precision; a value group holding NaN
@@ -414,6 +422,52 @@ def test_int4_decode_of_values_whose_groups_differ_by_decades(rng, E):
     assert np.isnan(grouped[nan]).all() and np.isfinite(grouped[~nan]).all()
     ok = np.where(nan, 0, grouped) / size, np.where(nan, 0, ref) / size
     np.testing.assert_allclose(*ok, rtol=0, atol=2e-6)
+
+
+def cpu_has_vbmi():
+    """Whether /proc/cpuinfo lists AVX512-VBMI (None where there is no such file)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line.split() for line in f if line.startswith("flags")), [])
+    except OSError:
+        return None
+    return "avx512vbmi" in flags
+
+
+@pytest.mark.parametrize("E", [64, 128, 256])
+def test_int4_value_mix_by_byte_permutes_gives_the_bits_of_the_shuffles(rng, E):
+    """The int4 value mix interleaves four value rows by byte permutes on CPUs with
+    AVX512-VBMI, by shuffles elsewhere: the same integer sums, so the same bits, for rows
+    side by side or apart, whole runs of 16 rows and the rest, one to four query rows and
+    grouped heads; and the attention over the dequantised keys and values."""
+    if mh.kernel_isa() == "avx512bf16" and cpu_has_vbmi() is not None:
+        assert _kernels.set_byte_permutes(True) == cpu_has_vbmi()
+    by_token = (lambda a: np.ascontiguousarray(a.transpose(0, 2, 1, 3)).transpose(0, 2, 1, 3))
+    rep = (lambda a: np.repeat(a, 3, axis=1))
+    for S, L, G in [(16, 1, 1), (63, 1, 3), (65, 2, 1), (200, 1, 1), (1000, 4, 1),
+                    (1000, 1, 3)]:
+        q = normal(rng, (1, 2 * G, L, E), np.float32)
+        k, v = (normal(rng, (1, 2, S, E), np.float32) for _ in range(2))
+        v[:, 1] *= np.float32(1e-3) * rng.uniform(0.5, 50, E).astype(np.float32)
+        (kq, ks), (vq, vs) = quantize(k, "int4"), quantize(v, "int4")
+        kw = dict(scale=E ** -0.5, num_threads=2, causal_offset=S - L, enable_gqa=G > 1)
+        kd = dequantize(kq, ks, "int4").astype(np.float64)
+        vd = dequantize(vq, vs, "int4").astype(np.float64)
+        visible = np.arange(S) <= np.arange(L)[:, None] + S - L
+        ref = oracle.scaled_dot_product_attention(
+            q.astype(np.float64), rep(kd) if G > 1 else kd, rep(vd) if G > 1 else vd,
+            attn_mask=visible, scale=E ** -0.5)
+        for layout in (lambda a: a, by_token):
+            got = []
+            for allow in (True, False):
+                _kernels.set_byte_permutes(allow)
+                got.append(_core.attention(q, *(layout(a) for a in (kq, vq)),
+                                           k_scale=layout(ks), v_scale=layout(vs), **kw))
+            _kernels.set_byte_permutes(True)
+            np.testing.assert_array_equal(got[0], got[1])
+            # (relative to each row's largest: head 1's values are 1e-3 to 5e-2 in size)
+            size = np.abs(ref).max(axis=-1, keepdims=True)
+            np.testing.assert_allclose(got[0] / size, ref / size, rtol=0, atol=F32_ATOL)
 
 
 @pytest.mark.parametrize("fmt", ["float32"] + FORMATS)

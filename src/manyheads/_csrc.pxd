@@ -166,6 +166,8 @@ cdef extern from "mh_kernels.h" nogil:
     const char *mh_isa_name(int isa)
     int mh_cpu_supports(int isa)
     int mh_isa_compiled(int isa)
+    int mh_byte_permutes()
+    int mh_set_byte_permutes(int allow)
     const mh_kernel_table *mh_kernels(int isa)
     void mh_quantize_i8(const float *x, int64_t rows, int64_t n, int8_t *q, float *scale)
     void mh_quantize_i4(const float *x, int64_t rows, int64_t n, uint8_t *q, uint16_t *pairs)

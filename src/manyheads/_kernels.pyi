@@ -32,6 +32,11 @@ def isa_compiled(name: str) -> bool:
 def cpu_supports(name: str) -> bool:
     """True if this CPU and OS can run the kernels for ISA ``name``."""
 
+def set_byte_permutes(allow: bool) -> bool:
+    """Allow (the default) or forbid the int4 value mix's AVX512-VBMI byte permutes in
+    later plans; True if they are now in use (never on a CPU without them).  For tests:
+    both ways give the same results."""
+
 def set_isa(name: str) -> None:
     """Route all later calls to the kernels of ``name`` (caller has checked support)."""
 

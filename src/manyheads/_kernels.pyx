@@ -81,6 +81,13 @@ def cpu_supports(str name):
     return bool(mh_cpu_supports(_isa_index(name)))
 
 
+def set_byte_permutes(bint allow):
+    """Allow (the default) or forbid the int4 value mix's AVX512-VBMI byte permutes in
+    later plans; True if they are now in use (never on a CPU without them).  For tests:
+    both ways give the same results."""
+    return bool(mh_set_byte_permutes(allow))
+
+
 def set_isa(str name):
     """Route all later calls to the kernels of ``name`` (caller has checked support)."""
     global _table
