@@ -211,7 +211,8 @@ MH_INLINE void FN(i4_dots16)(const int8_t *dig, const T *qs, T dq, FN(kv_rows) k
  * then come out of one permute too.  An int4 decode call over cold caches
  * (12 heads of 64, L = 16384, 2 threads, 512 MiB of caches attended in turn,
  * medians of 15 rounds alternating in one process, an Intel Xeon with AMX)
- * took 0.97-0.98x the time with the permutes, in four runs.
+ * took 0.94-0.98x the time with the permutes, in six runs: cold, the pace of
+ * this loop sets the pace of the memory requests (docs/performance.md).
  */
 
 /* acc += the dot products of X's unsigned and Y's signed bytes, four a lane, in
