@@ -227,10 +227,8 @@ MH_INLINE void FN(i4_dots16)(const int8_t *dig, const T *qs, T dq, FN(kv_rows) k
 /* the functions that use the byte permutes (MSVC takes their intrinsics anywhere) */
 #if defined(__GNUC__) || defined(__clang__)
 #define MH_TARGET_VBMI __attribute__((target("avx512vbmi")))
-#define MH_ALIGN64 __attribute__((aligned(64)))
 #else
 #define MH_TARGET_VBMI
-#define MH_ALIGN64 __declspec(align(64))
 #endif
 
 /* One query row's weights of a block's value rows for two groups, as digits; pm[g]
@@ -328,7 +326,7 @@ MH_TARGET_VBMI static int FN(i4_mix_weights_vbmi)(const T *p, FN(kv_rows) v, int
     /* byte k of two quads (rows 16b + 8h ..): quad k / 32, digit k % 32 / 8, group
        k % 8 / 4, row k % 4, from byte 2 - digit of that row's integer (group 1's
        register from index 64 on); the unused bytes take a zero byte */
-    static const uint8_t take[2][64] MH_ALIGN64 = {
+    static const uint8_t take[2][64] = {
         {2,  6,  10, 14, 66, 70, 74, 78, 1,  5,  9,  13, 65, 69, 73, 77,
          0,  4,  8,  12, 64, 68, 72, 76, 3,  3,  3,  3,  3,  3,  3,  3,
          18, 22, 26, 30, 82, 86, 90, 94, 17, 21, 25, 29, 81, 85, 89, 93,
@@ -340,8 +338,8 @@ MH_TARGET_VBMI static int FN(i4_mix_weights_vbmi)(const T *p, FN(kv_rows) v, int
     __m512 W[2][MH_BLOCK_K / 16];
     float m[2];
     if (!FN(i4_mix_scaled)(p, v, g0, n16, W, m, w)) return 0;
-    const __m512i t0 = _mm512_load_si512((const void *)take[0]);
-    const __m512i t1 = _mm512_load_si512((const void *)take[1]);
+    const __m512i t0 = _mm512_loadu_si512((const void *)take[0]);
+    const __m512i t1 = _mm512_loadu_si512((const void *)take[1]);
     for (int64_t b = 0; b < n16 / 16; ++b) {
         const __m512i q0 = FN(i4_weight_ints)(W[0][b], m[0]);
         const __m512i q1 = FN(i4_weight_ints)(W[1][b], m[1]);
@@ -451,7 +449,7 @@ MH_TARGET_VBMI static void FN(i4_mix_rows_vbmi)(const FN(i4_mix_w) *w, FN(kv_row
 {
     /* from rows 0, 1 (A) and 2, 3 (B): lane l of X[h] byte i is row i's byte
        8h + l / 2 of group l % 2 (each row's two groups 16 bytes apart) */
-    static const uint8_t take[2][64] MH_ALIGN64 = {
+    static const uint8_t take[2][64] = {
         {0,  32, 64, 96,  16, 48, 80, 112, 1,  33, 65, 97,  17, 49, 81, 113,
          2,  34, 66, 98,  18, 50, 82, 114, 3,  35, 67, 99,  19, 51, 83, 115,
          4,  36, 68, 100, 20, 52, 84, 116, 5,  37, 69, 101, 21, 53, 85, 117,
@@ -461,8 +459,8 @@ MH_TARGET_VBMI static void FN(i4_mix_rows_vbmi)(const FN(i4_mix_w) *w, FN(kv_row
          12, 44, 76, 108, 28, 60, 92, 124, 13, 45, 77, 109, 29, 61, 93, 125,
          14, 46, 78, 110, 30, 62, 94, 126, 15, 47, 79, 111, 31, 63, 95, 127}};
     const __m512i low4 = _mm512_set1_epi8(0x0f);
-    const __m512i t0 = _mm512_load_si512((const void *)take[0]);
-    const __m512i t1 = _mm512_load_si512((const void *)take[1]);
+    const __m512i t0 = _mm512_loadu_si512((const void *)take[0]);
+    const __m512i t1 = _mm512_loadu_si512((const void *)take[1]);
     MH_I4_MIX_ACCS;
     const char *base = v.base + g0 * (MH_I4_GROUP / 2);
     for (int64_t j = 0; j < n16; j += 4) {
