@@ -386,6 +386,26 @@ MH_INLINE void FN(i4_mix_finish)(const FN(i4_mix_w) *w, const __m512i a[3][4], _
     } while (0)
 #define MH_I4_MIX_SUMS {{a00, a01, a02, a03}, {a10, a11, a12, a13}, {a20, a21, a22, a23}}
 
+/* Value rows 0-3 from r0 (v.row_bytes apart; 32 bytes each: two groups), two to a
+   register: A rows 0 and `second` (1 or 2), B the other two in order.  Rows of two
+   groups side by side (MH_I4_ADJACENT) come a pair a load, rows 0 and 1 in A and
+   2 and 3 in B, whatever `second`. */
+MH_INLINE void FN(i4_value_rows)(FN(kv_rows) v, const char *r0, int second, __m512i *A,
+                                 __m512i *B)
+{
+    if (MH_I4_ADJACENT(v)) {
+        *A = _mm512_loadu_si512((const void *)r0);
+        *B = _mm512_loadu_si512((const void *)(r0 + 64));
+        return;
+    }
+    const char *r1 = r0 + v.row_bytes, *r2 = r1 + v.row_bytes, *r3 = r2 + v.row_bytes;
+    const char *a1 = second == 1 ? r1 : r2, *b0 = second == 1 ? r2 : r1;
+    *A = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)r0)),
+                            _mm256_loadu_si256((const __m256i *)a1), 1);
+    *B = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)b0)),
+                            _mm256_loadu_si256((const __m256i *)r3), 1);
+}
+
 /* o[0..4) (groups g0 and g0 + 1 in split order: g0's even channels, its odd
    ones, then g0 + 1's) += the mix of value rows [0, n16) with the weights *w
    (FN(i4_mix_weights)); rows of `pf` are prefetched along. */
@@ -399,20 +419,10 @@ static void FN(i4_mix_rows)(const FN(i4_mix_w) *w, FN(kv_rows) v, int64_t g0, in
         FN(prefetch_rows)(pf, j, 4);
         const char *r0 = base + j * v.row_bytes;
         /* rows 0 and 2 in A, 1 and 3 in B (each 16 bytes a group); rows of two groups
-           side by side (MH_I4_ADJACENT) come in one load a pair, rows 0 and 1 in A,
-           2 and 3 in B, and the lanes below hold rows 0, 2, 1, 3 */
+           side by side come rows 0 and 1 in A, 2 and 3 in B, and the lanes below
+           hold rows 0, 2, 1, 3 */
         __m512i A, B;
-        if (MH_I4_ADJACENT(v)) {
-            A = _mm512_loadu_si512((const void *)r0);
-            B = _mm512_loadu_si512((const void *)(r0 + 64));
-        } else {
-            A = _mm512_inserti64x4(
-                _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)r0)),
-                _mm256_loadu_si256((const __m256i *)(r0 + 2 * v.row_bytes)), 1);
-            B = _mm512_inserti64x4(
-                _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(r0 + v.row_bytes))),
-                _mm256_loadu_si256((const __m256i *)(r0 + 3 * v.row_bytes)), 1);
-        }
+        FN(i4_value_rows)(v, r0, 2, &A, &B);
         /* byte pairs of rows 0-1 (C) and 2-3 (E), 128-bit blocks: bytes 0-7, 16-23,
            8-15, 24-31 */
         const __m512i T1 = _mm512_unpacklo_epi8(A, B), T2 = _mm512_unpackhi_epi8(A, B);
@@ -467,18 +477,7 @@ MH_TARGET_VBMI static void FN(i4_mix_rows_vbmi)(const FN(i4_mix_w) *w, FN(kv_row
         FN(prefetch_rows)(pf, j, 4);
         const char *r0 = base + j * v.row_bytes;
         __m512i A, B;
-        if (MH_I4_ADJACENT(v)) {
-            A = _mm512_loadu_si512((const void *)r0);
-            B = _mm512_loadu_si512((const void *)(r0 + 64));
-        } else {
-            A = _mm512_inserti64x4(
-                _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)r0)),
-                _mm256_loadu_si256((const __m256i *)(r0 + v.row_bytes)), 1);
-            const char *r2 = r0 + 2 * v.row_bytes;
-            B = _mm512_inserti64x4(
-                _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)r2)),
-                _mm256_loadu_si256((const __m256i *)(r2 + v.row_bytes)), 1);
-        }
+        FN(i4_value_rows)(v, r0, 1, &A, &B);
         const __m512i X0 = _mm512_permutex2var_epi8(A, t0, B);
         const __m512i X1 = _mm512_permutex2var_epi8(A, t1, B);
         const __m512i U0 = _mm512_and_si512(X0, low4),
