@@ -234,8 +234,9 @@ class KVCache:
                              f"{self.capacity} of {self._len} tokens) and cannot roll back")
         with self._holding():
             self._len = n
-            self.padding[:, n:] = False
-            self._any_padding = bool(self.padding[:, :n].any())
+            if self._any_padding:  # (else no slot is padding: nothing to clear or look at)
+                self.padding[:, n:] = False
+                self._any_padding = bool(self.padding[:, :n].any())
 
     def copy(self) -> KVCache:
         """An independent cache with the same tokens (to branch decoding from one prompt)."""
