@@ -219,9 +219,16 @@ MH_INLINE void FN(few_rows_dots)(const T *qp, int64_t ep, const T *qm, int64_t n
             T qs[8];
             for (int64_t g = 0; g < E / MH_I4_GROUP; ++g) qs[g] = qmi[g] * VW; /* (sums / VW) */
             const int8_t *dig = MH_I4_DIGITS(qm, i, E);
-            for (int64_t j = 0; j < n16; j += 16)
-                FN(i4_dots16)(dig, qs, dq, FN(kv_skip)(k, j), E, s + i * BK + j,
-                              FN(kv_skip)(pfi, j));
+            /* (rows side by side or apart decided once: gcc otherwise tests it for
+               each pair of keys; one int4 thread over a cache in L2 0.90-0.96x the time) */
+            if (MH_I4_ADJACENT(k))
+                for (int64_t j = 0; j < n16; j += 16)
+                    FN(i4_dots16)(dig, qs, dq, FN(kv_skip)(k, j), E, s + i * BK + j,
+                                  FN(kv_skip)(pfi, j), 1);
+            else
+                for (int64_t j = 0; j < n16; j += 16)
+                    FN(i4_dots16)(dig, qs, dq, FN(kv_skip)(k, j), E, s + i * BK + j,
+                                  FN(kv_skip)(pfi, j), 0);
         }
         k = FN(kv_skip)(k, n16);
         pf = FN(kv_skip)(pf, n16);

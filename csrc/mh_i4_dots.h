@@ -118,9 +118,10 @@ MH_INLINE void FN(i4_pairs16)(const char *sp, int64_t scale_bytes, __m512 *S0, _
 
 /* Row i's scores of 16 keys (row j at k.base + j * k.row_bytes) into s[0..16),
    through the digits (FN(i4_digits)), the query's group sums qs (raw sums) and
-   dq.  `pf` rows [0, 16) are prefetched. */
+   dq.  `pf` rows [0, 16) are prefetched.  `adjacent`: MH_I4_ADJACENT(k), a constant
+   where the caller tests it once for all its runs of 16. */
 MH_INLINE void FN(i4_dots16)(const int8_t *dig, const T *qs, T dq, FN(kv_rows) k, int64_t E,
-                             T *s, FN(kv_rows) pf)
+                             T *s, FN(kv_rows) pf, const int adjacent)
 {
     const __m512i low4 = _mm512_set1_epi8(0x0f);
     const __m512i idx_g0 =
@@ -143,7 +144,7 @@ MH_INLINE void FN(i4_dots16)(const int8_t *dig, const T *qs, T dq, FN(kv_rows) k
         for (int t = 0; t < 8; ++t) {
             const char *kr = k.base + 2 * t * k.row_bytes + c * 32;
             const __m512i b =
-                MH_I4_ADJACENT(k)
+                adjacent
                     ? _mm512_loadu_si512((const void *)kr)
                     : _mm512_inserti64x4(
                           _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)kr)),
