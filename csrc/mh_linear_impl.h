@@ -403,7 +403,11 @@ MH_INLINE void FN(linear_accumulate_i8)(const mh_linear_args *a, int64_t c0, int
        were read.  Measured on an AMD EPYC with AVX-512, weights from memory,
        alternating in one process: a whole int8 SmolLM2-shaped model's decoding
        1.06-1.12x; the 576 x 49152 output head (blocks of part of a row, which asked
-       for nothing before) 1.13-1.25x. */
+       for nothing before) 1.13-1.25x.  Tried on an Intel Xeon with AVX-512 instead:
+       asking into L1 for the lines 2-6 KB ahead of the two passes being read.  One
+       cold row of 576 x 3072 took 1.03-1.10x less time on huge pages and 0.97-0.99x
+       on 4 KB pages, the output head 0.97-1.05x, but a whole int8 SmolLM2-shaped
+       model decoded at 0.89-0.95x the tokens/s: not kept. */
     const int64_t pass = 8 * a->w_row; /* bytes */
     int64_t kk = k0;
     for (; kk < k1 && (kk & 7); ++kk)
