@@ -19,6 +19,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
 RESULTS = ROOT / "benchmarks" / "results" / "results.md"
+LLAMACPP = ROOT / "benchmarks" / "results" / "llamacpp_xeon.txt"
 PAGES = [p for p in [README, *sorted((ROOT / "docs").rglob("*.md"))]
          if p.exists() and "_build" not in p.parts]
 
@@ -168,3 +169,15 @@ def test_the_readmes_performance_figures_are_the_recorded_runs():
     figures = [cell for row in rows for cell in row[1:] if cell != "—"]  # — : not measured
     assert all(re.fullmatch(r"[\d.]+×?", f) for f in figures), figures
     assert [f for f in figures if f not in recorded] == []
+
+
+@pytest.mark.skipif(not LLAMACPP.exists(), reason="benchmarks/results not shipped with this copy")
+def test_the_readmes_llamacpp_ratios_are_the_recorded_run():
+    """Every ratio in the README's paragraph on llama.cpp is a ratio of its recorded run."""
+    text = README.read_text()
+    paragraph = text.split("Whole models against llama.cpp", 1)[1].split("\n\n", 1)[0]
+    ratios = re.findall(r"([\d.]+)×", paragraph)
+    assert len(ratios) == 4
+    cells = {c for line in re.findall(r"ratio m/l.*", LLAMACPP.read_text())
+             for c in line.split()}
+    assert [r for r in ratios if f"{r}x" not in cells] == []
