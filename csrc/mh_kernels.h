@@ -62,12 +62,13 @@ extern "C" {
 #define MH_BLOCK_Q 64   /* query rows per work item */
 #define MH_BLOCK_K 64   /* keys per streamed block */
 #define MH_FEW_ROWS 4   /* up to this many rows take the few-rows paths (decode) */
-/* Decode asks for rows ahead only when the call's keys and values take this many
-   bytes or more (smaller ones may sit in the last-level cache, where the requests
-   cost more than they save: mh_kv_rows.h, FN(prefetch_rows)), or, in a compiled
-   decoding step, when the step's weights do (they push every layer's keys and
-   values out before that layer's next token). */
-#define MH_PREFETCH_MIN_BYTES (8.0 * 1024 * 1024)
+/* Decode over float32 (or float64) keys and values asks for rows ahead only when
+   they take this many bytes or more (smaller ones may sit in the last-level cache,
+   where the requests cost more than they save: mh_kv_rows.h, FN(prefetch_rows)), or,
+   in a compiled decoding step, when the step's weights do (they push every layer's
+   keys and values out before that layer's next token).  Narrower formats always ask
+   (mh_plan.c). */
+#define MH_PREFETCH_MIN_BYTES (4.0 * 1024 * 1024)
 #define MH_SCRATCH_ALIGN 64 /* bytes; every scratch part starts on such a boundary */
 #define MH_I4_MAX_GROUPS 16 /* int4 rows read in place have at most this many groups
                                (head sizes up to 512) */

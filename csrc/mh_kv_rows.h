@@ -45,10 +45,19 @@ MH_INLINE FN(kv_rows) FN(kv_in_place)(const mh_attn_args *a, const mh_operand *s
    prefetchers do not start again from a cold page at every block.  Measured
    on one decode call (12 heads of 64, L=16384, 2 threads, caches evicted
    between calls): float32 -17%, int8 -17 to -26%, int4 -16%, float16 -10%;
-   with the cache warm (L=2048, 1 thread) +4 to +8% for the added instructions,
-   so a call whose keys and values take less than MH_PREFETCH_MIN_BYTES (they
-   may well sit in the last-level cache) does not ask: a fused layer's decode
-   step at L=1024 (6 MB of float32 K/V) keeps its time.  A whole block asked
+   with the cache warm (L=2048, 1 thread) +4 to +8% for the added instructions.
+   Shorter float32 calls gain least and lose most warm, so a float32 call whose
+   keys and values take less than MH_PREFETCH_MIN_BYTES (they may well sit in the
+   last-level cache) does not ask; the narrower formats, whose widening leaves
+   time for the requests, ask at every length.  On an Intel Xeon with AMX (12
+   heads of 64, 2 threads, medians of 11 rounds alternating in one process, 256
+   MiB of calls cycled / one call repeated): L=128 float16 0.79x / 0.98x the
+   time, int8 0.75x / 1.01x, int4 0.78x / 1.02x; L=512 0.74x / 1.11x (float16),
+   0.71x / 1.0x (int8), 0.74x / 1.12x (int4); L=2048 0.69-0.75x / 0.78-1.04x;
+   float32 L=256 0.92x / 1.24x, L=768 (4.7 MB) 0.88x / 1.01x.  A fused layer's
+   decode step over caches stepped in turn: L=1024 float32 0.92x, float16 and
+   int8 0.82-0.87x, int4 0.92-0.93x; L=4096 int8 0.78-0.80x, L=8192 int4
+   0.82-0.83x; one layer stepped warm within 5%.  A whole block asked
    for at once was slower: its misses queue ahead of the loads the loop waits
    on.  Float rows (float32, float16, bfloat16) are asked for into L2: their
    reading is bound by the memory, and on an AMD EPYC with AVX-512 (12 heads

@@ -193,7 +193,8 @@ void mh_plan_attention(const mh_call_desc *d, const mh_caps *caps, mh_plan *p)
         p->widened_rows = S;
     {   /* the call's keys and values in bytes (int4: half a byte an element) */
         const double elems = (double)p->n_pairs * (double)S * (double)(E + Ev);
-        p->prefetch = elems * mh_storage_bits(d->kv_format) / 8 >= MH_PREFETCH_MIN_BYTES;
+        const int bits = mh_storage_bits(d->kv_format);
+        p->prefetch = bits < 32 || elems * bits / 8 >= MH_PREFETCH_MIN_BYTES;
         p->prefetch_near = !mh_cpu_is_amd(); /* (read only where prefetch is set) */
     }
     p->i4_permutes = caps->byte_permutes && d->kv_format == MH_STORE_I4 && mh_byte_permutes();

@@ -74,10 +74,26 @@ def test_a_key_range_gives_the_same_bits_in_any_run(rng, rows, window):
 
 
 def test_decode_against_a_short_cache_runs_one_block_per_head_without_prefetch():
-    plan = mh.explain(zeros(1, 12, 1, 64), zeros(1, 12, 900, 64), zeros(1, 12, 900, 64))
+    # 12 heads of 600 float32 keys and values: 3.7 MB, under the 4 MiB from which a
+    # float32 call asks for its rows ahead
+    plan = mh.explain(zeros(1, 12, 1, 64), zeros(1, 12, 600, 64), zeros(1, 12, 600, 64))
     assert plan.schedule == "query blocks" and plan.key_ranges == 0
     assert plan.work_items == 12 and plan.items[0].path == "few rows"
     assert not plan.prefetch and plan.partial_bytes == 0
+    over = zeros(1, 12, 700, 64)  # 4.3 MB
+    assert mh.explain(zeros(1, 12, 1, 64), over, over).prefetch
+
+
+@pytest.mark.parametrize("fmt", ["float16", "bfloat16", "int8", "int4"])
+def test_decode_over_a_narrow_cache_asks_for_its_rows_ahead_however_short(fmt):
+    """Keys and values stored narrower than float32 are asked for ahead at any length:
+    their widening leaves time for the requests, which pay off as soon as a deep model
+    has pushed them out of the caches."""
+    q, k = zeros(1, 12, 1, 64), zeros(1, 12, 64, 64)
+    kq, ks = quantize(k, fmt)
+    plan = _core.explain(q, kq, kq, k_scale=ks, v_scale=ks, num_threads=2)
+    assert plan.kv_format == fmt and plan.prefetch
+    assert not mh.explain(q, k, k).prefetch  # the same in float32: 393 KB
 
 
 def test_causal_prefill_runs_query_blocks_on_the_tile_path_in_place():
