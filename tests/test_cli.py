@@ -3,7 +3,7 @@ import argparse
 import subprocess
 import sys
 
-from manyheads.__main__ import build_parser
+from manyheads.__main__ import _time, build_parser
 
 
 def subcommands():
@@ -74,3 +74,20 @@ def test_info_explain_reports_bad_shapes_in_one_line():
     assert "same last dimension" in res.stderr and "Traceback" not in res.stderr
     res = run_info("--explain", "1xtwelve", "1x2")
     assert res.returncode != 0 and "sizes joined by 'x'" in res.stderr
+
+
+def test_the_demo_times_calls_after_the_blas_threads_have_settled():
+    """The demo's timings start after calls for a settling time (at most ten of them): a
+    BLAS library's threads spin for about 0.1 s after it loads and had doubled the first
+    calls' time.  The result is the first call's."""
+    calls = []
+
+    def fn():
+        calls.append(1)
+        return len(calls)
+
+    seconds, first = _time(fn, repeats=5, settle=0.0)
+    assert first == 1 and len(calls) == 1 + 5 and seconds >= 0
+    calls.clear()
+    _time(fn, repeats=5, settle=3600.0)  # never settles: ten calls before the five
+    assert len(calls) == 10 + 5

@@ -119,8 +119,17 @@ def show_layer(seed: int = 42) -> mh.MultiHeadAttention:
     return m
 
 
-def _time(fn: Callable[[], Any], repeats: int = 5) -> tuple[float, Any]:
+def _time(fn: Callable[[], Any], repeats: int = 5, settle: float = 0.3) -> tuple[float, Any]:
+    """Median seconds of ``repeats`` calls of ``fn`` (and its result), after calls for
+    ``settle`` seconds (at most ten): a BLAS library's threads, started when it loads
+    (NumPy's at import, SciPy's at manyheads' first projection), spin for about 0.1 s
+    and took half the cores from the first calls (the demo's fused layer 2x its time)."""
     result = fn()
+    t_end = time.perf_counter() + settle
+    for _ in range(9):
+        if time.perf_counter() >= t_end:
+            break
+        fn()
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
