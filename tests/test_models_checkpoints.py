@@ -370,3 +370,20 @@ def test_weight_arena_places_arrays_apart_and_large_ones_alone():
     rest = [arena.empty((WeightArena.BLOCK // 4 - 64,), np.uint8) for _ in range(3)]
     assert _root(filler) is first and _root(rest[-1]) is not first
     assert all(a.dtype == np.uint8 for a in rest)
+
+
+def test_loading_a_model_loads_the_blas_its_prefill_uses(llama_dir):
+    """from_pretrained loads the projections' BLAS (SciPy's) before it reads the weights:
+    the library starts threads that spin for about 0.1 s, which the loading covers rather
+    than the first prompt's prefill."""
+    code = """
+        import sys
+        from manyheads import _blas
+        from manyheads.models import from_pretrained
+        before = _blas._state["loaded"]
+        from_pretrained(sys.argv[1])
+        print("loaded before:", before, "after:", _blas._state["loaded"])
+    """
+    res = _run(code, str(llama_dir))
+    assert res.returncode == 0, res.stderr
+    assert "loaded before: False after: True" in res.stdout
