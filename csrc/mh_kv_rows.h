@@ -55,12 +55,11 @@ MH_INLINE FN(kv_rows) FN(kv_in_place)(const mh_attn_args *a, const mh_operand *s
    time, int8 0.75x / 1.01x, int4 0.78x / 1.02x; L=512 0.74x / 1.11x (float16),
    0.71x / 1.0x (int8), 0.74x / 1.12x (int4); L=2048 0.69-0.75x / 0.78-1.04x;
    float32 L=256 0.92x / 1.24x, L=512 (3 MB) 0.92x / 1.10x, L=768 (4.7 MB)
-   0.88x / 1.01x.  A fused layer's
-   decode step over caches stepped in turn: L=1024 float32 0.92x, float16 and
-   int8 0.82-0.87x, int4 0.92-0.93x; L=4096 int8 0.78-0.80x, L=8192 int4
-   0.82-0.83x; one layer stepped warm within 5%.  A whole block asked
-   for at once was slower: its misses queue ahead of the loads the loop waits
-   on.  Float rows (float32, float16, bfloat16) are asked for into L2: their
+   0.88x / 1.01x.  A fused layer's decode step over caches stepped in turn:
+   L=1024 float32 0.92x, float16 and int8 0.82-0.87x, int4 0.92-0.93x; L=4096
+   int8 0.78-0.80x, L=8192 int4 0.82-0.83x; one layer stepped warm within 5%.
+   A whole block asked for at once was slower: its misses queue ahead of the
+   loads the loop waits on.  Float rows (float32, float16, bfloat16) are asked for into L2: their
    reading is bound by the memory, and on an AMD EPYC with AVX-512 (12 heads
    of 64, 2 threads, L=16384, evicted, medians of 11-15 rounds alternating in
    one process) a float32 call took 1.18-1.23x less time than with the rows

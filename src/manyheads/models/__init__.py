@@ -114,8 +114,8 @@ def from_pretrained(path: str | os.PathLike[str], *, revision: str | None = None
                          f"{', '.join(sorted(ARCHITECTURES))}")
     # the BLAS the prefill's projections use, loaded now: its threads start with it and
     # spin for about 0.1 s, which the loading covers rather than the first prompt (a
-    # SmolLM2-shaped float32 model's first 128-token prefill took 260-290 ms against
-    # 205-215 once they had settled)
+    # SmolLM2-shaped float32 model's first 128-token prefill took 260-320 ms against
+    # 200-220 once they had settled)
     _blas.available()
     with Checkpoint(path) as ckpt:
         ckpt.weight_dtype = weight_dtype
