@@ -61,10 +61,10 @@ MH_INLINE FN(kv_rows) FN(kv_in_place)(const mh_attn_args *a, const mh_operand *s
    On an AMD EPYC with AVX-512 (Zen 4; the same A/B of builds in one process)
    this rule moved nothing by more than 2%, warm or cold: float16, int8 and
    int4 at L=128-2048 against asking from 4 MiB only, and float32 at 1.5-6 MiB
-   asking always, from 4 MiB or from 16 MiB.
-   A whole block asked for at once was slower: its misses queue ahead of the
-   loads the loop waits on.  Float rows (float32, float16, bfloat16) are asked for into L2: their
-   reading is bound by the memory, and on an AMD EPYC with AVX-512 (12 heads
+   asking always, from 4 MiB or from 16 MiB.  A whole block asked for at once
+   was slower: its misses queue ahead of the loads the loop waits on.  Float
+   rows (float32, float16, bfloat16) are asked for into L2: their reading is
+   bound by the memory, and on an AMD EPYC with AVX-512 (12 heads
    of 64, 2 threads, L=16384, evicted, medians of 11-15 rounds alternating in
    one process) a float32 call took 1.18-1.23x less time than with the rows
    asked into L1 (1.43x at L=32768, 1.30x warm, 1.43x on one thread),
