@@ -403,7 +403,9 @@ static int FN(mask_user)(const mh_attn_args *a, int64_t pair, int64_t q0, int64_
     return hid;
 }
 
-/* Probabilities times the dropout keep mask / (1 - p). */
+/* Probabilities times the dropout keep mask / (1 - p).  A dropped entry becomes 0,
+   except a hidden one, which keeps its mark (-0.0) so that the mix still skips its
+   value (a NaN or inf value hidden from a row must not reach it as 0 times inf). */
 static void FN(apply_dropout)(const mh_attn_args *a, int64_t pair, int64_t q0, int64_t rows,
                               int64_t k0, int64_t nk, T *s, int64_t row_step, int64_t key_step)
 {
@@ -416,7 +418,7 @@ static void FN(apply_dropout)(const mh_attn_args *a, int64_t pair, int64_t q0, i
                                             (uint64_t)a->kv_len);
             double u = (double)(bits >> 40) * (1.0 / 16777216.0);
             T *e = s + i * row_step + j * key_step;
-            *e = u >= p ? *e * keep_scale : (T)0;
+            *e = u >= p ? *e * keep_scale : (MH_IS_HIDDEN(*e) ? *e : (T)0);
         }
 }
 

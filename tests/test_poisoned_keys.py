@@ -253,3 +253,32 @@ def test_padding_tokens_holding_nan_do_not_reach_the_real_tokens(rng):
     real = ~pad
     assert np.isfinite(y_nan[real]).all()
     assert_bit_identical(y_nan[real], y[real], "real tokens")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("L", [3, 70])
+@pytest.mark.parametrize("kind", ["causal", "bool"])
+def test_dropout_keeps_a_hidden_poisoned_value_away(rng, dtype, L, kind):
+    # a dropped weight of a key the row cannot see must still skip that key's value:
+    # 0 times an infinite value is NaN
+    S, E = L if kind == "causal" else 130, 12
+    q = normal(rng, (1, 2, L, E), dtype)
+    k, v = normal(rng, (1, 2, S, E), dtype), normal(rng, (1, 2, S, E), dtype)
+    keys = sorted({1, L // 2, S - 1})
+    if kind == "causal":
+        kw, allowed = {"is_causal": True}, np.tri(L, S, dtype=bool)
+    else:
+        allowed = rng.random((L, S)) > 0.4
+        allowed[:, 0] = True
+        allowed[0, keys] = False  # (each poisoned key hidden from row 0 at least)
+        kw = {"attn_mask": allowed}
+    for seed in range(4):
+        clean = mh.scaled_dot_product_attention(q, k, v, dropout_p=0.5, seed=seed, **kw)
+        for j in keys:
+            for bad in BAD:
+                out = mh.scaled_dot_product_attention(q, k, poisoned(v, j, 2, bad),
+                                                      dropout_p=0.5, seed=seed, **kw)
+                hidden = ~allowed[:, j]
+                assert hidden.any()
+                assert_bit_identical(out[..., hidden, :], clean[..., hidden, :],
+                                     f"{kind}, seed {seed}, value[{j}] = {bad}")
