@@ -229,6 +229,9 @@ static inline __m128i mh_to_bf16_avx2(__m256 x)
 #define VM __m256
 #define V_VISIBLE(p) (p)
 #define V_FMA_VISIBLE(a, b, c, m) _mm256_blendv_ps(_mm256_fmadd_ps((a), (b), (c)), (c), (m))
+#define V_WHERE_SMALL(x, t, a, b)                                                             \
+    _mm256_blendv_ps((b), (a),                                                                \
+                     _mm256_cmp_ps(_mm256_andnot_ps(_mm256_set1_ps(-0.0f), (x)), (t), _CMP_LT_OQ))
 
 /* exp(x) (scheme and constants in mh_exp.h); 2^n is built in the exponent
    field from the rounding constant (n + 127 lands in the low mantissa bits). */
@@ -322,6 +325,9 @@ static inline __m256 mh_exp2_f32_avx2(__m256 x)
 #define VM __m256d
 #define V_VISIBLE(p) (p)
 #define V_FMA_VISIBLE(a, b, c, m) _mm256_blendv_pd(_mm256_fmadd_pd((a), (b), (c)), (c), (m))
+#define V_WHERE_SMALL(x, t, a, b)                                                             \
+    _mm256_blendv_pd((b), (a),                                                                \
+                     _mm256_cmp_pd(_mm256_andnot_pd(_mm256_set1_pd(-0.0), (x)), (t), _CMP_LT_OQ))
 
 /* exp(x) in double (scheme and constants in mh_exp.h). */
 static inline __m256d mh_exp_f64_avx2(__m256d x)

@@ -156,6 +156,8 @@ static inline void mh_transpose_f64_avx512(__m512d r[8])
 #define VM __mmask16
 #define V_VISIBLE(p) _mm512_cmpge_epi32_mask(_mm512_castps_si512(p), _mm512_setzero_si512())
 #define V_FMA_VISIBLE(a, b, c, m) _mm512_mask3_fmadd_ps((a), (b), (c), (m))
+#define V_WHERE_SMALL(x, t, a, b) \
+    _mm512_mask_blend_ps(_mm512_cmp_ps_mask(_mm512_abs_ps(x), (t), _CMP_LT_OQ), (b), (a))
 
 /* A blocked int8 pass (mh_linear_index) for 16 columns, as the AVX2 path does it for
    8 (16-bit multiply-adds of 512 bits need AVX512-BW, which this path does not
@@ -421,6 +423,8 @@ MH_KERNEL_TABLE_F64_OF(avx512bf16, avx512)
 #define VM __mmask8
 #define V_VISIBLE(p) _mm512_cmpge_epi64_mask(_mm512_castpd_si512(p), _mm512_setzero_si512())
 #define V_FMA_VISIBLE(a, b, c, m) _mm512_mask3_fmadd_pd((a), (b), (c), (m))
+#define V_WHERE_SMALL(x, t, a, b) \
+    _mm512_mask_blend_pd(_mm512_cmp_pd_mask(_mm512_abs_pd(x), (t), _CMP_LT_OQ), (b), (a))
 
 /* exp(x) in double (scheme and constants in mh_exp.h), 2^n with scalef. */
 static inline __m512d mh_exp_f64_avx512(__m512d x)

@@ -24,7 +24,8 @@
  *   MH_HAS_HSUM4       V_HSUM4(a, b, c, d, out): out[0..4) = the lane sums
  *   MH_HAS_SELECT      VM, V_MARK_HIDDEN(p, s), V_VISIBLE(p),
  *                      V_FMA_VISIBLE(a, b, c, m): vector selects for hidden
- *                      entries (see MH_IS_HIDDEN in mh_common.h)
+ *                      entries (see MH_IS_HIDDEN in mh_common.h);
+ *                      V_WHERE_SMALL(x, t, a, b): a where |x| < t, else b
  *   MH_HAS_F16_LOAD    V_LOAD_HALF(p): VW float16 values widened to V
  *   MH_HAS_BF16_LOAD   V_LOAD_BF16(p): VW bfloat16 values widened to V
  *   MH_HAS_I8_LOAD     V_LOAD_I8(p): VW int8 values converted to V

@@ -31,6 +31,7 @@
 #undef VM
 #undef V_VISIBLE
 #undef V_FMA_VISIBLE
+#undef V_WHERE_SMALL
 #undef V_LOAD_HALF
 #undef V_LOAD_BF16
 #undef V_STORE_BF16

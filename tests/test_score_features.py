@@ -304,3 +304,20 @@ def test_a_caches_attend_takes_every_feature(rng):
         return_lse=True, **f)
     np.testing.assert_allclose(np.concatenate([out, out2], 2), ro, rtol=0, atol=2e-5)
     np.testing.assert_allclose(np.concatenate([lse, lse2], 2), rl, rtol=0, atol=1e-4)
+
+
+@pytest.mark.parametrize("L,S", SHAPES)
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_a_cap_of_any_size_keeps_the_scores_precision(rng, L, S, dtype):
+    # c tanh(s / c) tends to s as the cap grows: a cap far above the scores must give
+    # the uncapped result, not lose the scores' relative precision (a cap of 1e8 had
+    # made every float32 score 0)
+    q = normal(rng, (1, 2, L, 32), dtype) * 2
+    k, v = (normal(rng, (1, 2, S, 32), dtype) for _ in range(2))
+    causal = np.tril(np.ones((L, S), bool), S - L)
+    tol = 2e-5 if dtype == np.float32 else 1e-10
+    for cap in [0.5, 4.0, 50.0, 1e3, 1e6, 1e8, 1e30]:
+        out = mh.scaled_dot_product_attention(q, k, v, attn_mask=causal, softcap=cap)
+        ref = oracle.scaled_dot_product_attention(
+            *(a.astype(np.float64) for a in (q, k, v)), attn_mask=causal, softcap=cap)
+        np.testing.assert_allclose(out, ref, rtol=0, atol=tol, err_msg=f"softcap={cap}")
