@@ -125,3 +125,20 @@ def test_half_precision_array_likes_are_accepted_as_arrays_are():
     np.testing.assert_array_equal(got, want)
     with pytest.raises(TypeError, match="has dtype complex64; supported dtypes are float32"):
         mh.scaled_dot_product_attention(x.astype(np.complex64), x, x)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "float32", "float64", "bfloat16"])
+def test_arrays_in_the_other_byte_order_are_refused_not_misread(dtype):
+    from manyheads.cache import FORMATS
+
+    dt = np.dtype(FORMATS[dtype].dtype if dtype == "bfloat16" else dtype)
+    swapped = dt.newbyteorder("S")
+    x = np.random.default_rng(0).standard_normal((2, 3, 8)).astype(dt)
+    with pytest.raises(TypeError, match=r"key has dtype .*, not in the machine's byte order"):
+        mh.scaled_dot_product_attention(x, x.astype(swapped), x)
+    if dtype in ("float32", "float64"):
+        with pytest.raises(TypeError, match="x has dtype .*, not in the machine's byte order"):
+            mh.linear(x.astype(swapped), np.ones((8, 4), dt))
+        m = mh.MultiHeadAttention(8, 8, 3, 0.0, 2, dtype=dt)
+        with pytest.raises(TypeError, match="not in the machine's byte order"):
+            m(x.astype(swapped))

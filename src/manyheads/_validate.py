@@ -113,8 +113,16 @@ def dtype_name(dt: np.dtype) -> str:
 
 
 def is_half(dt: np.dtype) -> bool:
-    """float16 or ml_dtypes' bfloat16."""
-    return dtype_name(dt) in ("float16", "bfloat16")
+    """float16 or ml_dtypes' bfloat16, in the machine's byte order."""
+    return dtype_name(dt) in ("float16", "bfloat16") and dt.isnative
+
+
+def check_byte_order(dt: np.dtype, name: str) -> None:
+    """TypeError for a float dtype the kernels take but in the other byte order (the
+    message says how to convert it)."""
+    if not dt.isnative and dtype_name(dt) in ("float32", "float64", "float16", "bfloat16"):
+        raise TypeError(f"{name} has dtype {dt.str}, not in the machine's byte order; "
+                        f"convert it with {name}.astype({name}.dtype.newbyteorder('='))")
 
 
 def as_attention_array(x: Any, name: str) -> np.ndarray:
@@ -149,6 +157,7 @@ def as_float_array(x: Any, name: str) -> np.ndarray:
         if arr.dtype.kind in "iu":
             arr = arr.astype(np.float64)
     if arr.dtype not in FLOAT_DTYPES:
+        check_byte_order(arr.dtype, name)
         raise TypeError(f"{name} has dtype {arr.dtype}; supported dtypes are {FLOAT_DTYPES_TEXT}")
     return arr
 

@@ -24,9 +24,9 @@ from typing import Any, TypeVar, cast
 import numpy as np
 
 from . import _config, _core, interop
-from ._validate import (FLOAT_DTYPES, FLOAT_DTYPES_TEXT, check_bool, check_dropout,
-                        check_float_dtype, check_int, check_optional_int, check_optional_real,
-                        rng_from_seed, seed_value)
+from ._validate import (FLOAT_DTYPES, FLOAT_DTYPES_TEXT, check_bool, check_byte_order,
+                        check_dropout, check_float_dtype, check_int, check_optional_int,
+                        check_optional_real, rng_from_seed, seed_value)
 from .cache import CacheStep, KVCache
 from .interop import FusedWeights, alibi_slopes
 
@@ -285,6 +285,7 @@ class _AttentionModule:
             if x.dtype.kind in "iu":  # lists of numbers, as the functional API takes them
                 x = x.astype(self.dtype)
         if x.dtype not in FLOAT_DTYPES:
+            check_byte_order(x.dtype, name)
             raise TypeError(f"{name} has dtype {x.dtype}; supported dtypes are "
                             f"{FLOAT_DTYPES_TEXT}")
         layout = "(batch, tokens, d_in)" if self.batch_first else "(tokens, batch, d_in)"
