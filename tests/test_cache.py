@@ -257,3 +257,24 @@ def test_reset_works_on_a_wrapped_sliding_window_cache(rng):
         a = m(x[:, t:t + 1], cache=cache)
         b = m(x[:, t:t + 1], cache=fresh)
         np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("fmt", ["float32", "float16"])
+def test_weights_of_a_wrapped_window_come_in_position_order(rng, fmt):
+    # one-token steps of a full ring attend its slots in place; the weights they return
+    # are still over the window's keys oldest first, as a several-token step's are
+    window, steps = 4, 10
+    q, k, v = (normal(rng, (1, 2, 6 + steps, 8), np.float32) for _ in range(3))
+    c = mh.KVCache(1, 40, 2, 8, window=window, dtype=fmt)
+    c.attend(q[:, :, :6], k[:, :, :6], v[:, :, :6])
+    for t in range(6, 6 + steps):
+        sl = slice(t, t + 1)
+        out, w = c.attend(q[:, :, sl], k[:, :, sl], v[:, :, sl], return_weights=True)
+        keys = slice(t + 1 - window, t + 1)
+        kd, vd = (a.astype(fmt) for a in (k, v))  # (as the cache holds them)
+        ro, rw = oracle.scaled_dot_product_attention(
+            q[:, :, sl].astype(np.float64), kd[:, :, keys].astype(np.float64),
+            vd[:, :, keys].astype(np.float64), return_weights=True)
+        assert w.shape == (1, 2, 1, window)
+        np.testing.assert_allclose(w, rw, rtol=0, atol=1e-6, err_msg=f"step {t}")
+        np.testing.assert_allclose(out, ro, rtol=0, atol=1e-5, err_msg=f"step {t}")

@@ -614,8 +614,13 @@ class CacheStep:
             c.padding[:, slot] = False if pad_new is None else pad_new[:, 0]
             mask = ~c.padding[:, None, None, :] if any_pad else None
             st = c._stored(heads, slice(None))
-            return _core.attention(q, st.k, st.v, k_scale=st.k_scale, v_scale=st.v_scale,
-                                   mask=mask, causal_offset=None, **kw)
+            res = _core.attention(q, st.k, st.v, k_scale=st.k_scale, v_scale=st.v_scale,
+                                  mask=mask, causal_offset=None, **kw)
+            if not return_weights:
+                return res
+            # the weights in the keys' position order, as every other step gives them:
+            # the oldest key (position past + 1 - cap) is in slot (past + 1) % cap
+            return (res[0], np.roll(res[1], -((past + 1) % cap), axis=-1)) + tuple(res[2:])
         # several new tokens past the window: lay the old window out in order, then attend
         n_old = min(past, cap - 1)
         old = np.arange(past - n_old, past) % cap
