@@ -41,7 +41,13 @@ def test_missing_folder_config_or_weights(tmp_path):
     with pytest.raises(FileNotFoundError, match="config.json"):
         from_pretrained(tmp_path)
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
-    with pytest.raises(FileNotFoundError, match="safetensors"):
+    with pytest.raises(FileNotFoundError, match="safetensors") as info:
+        from_pretrained(tmp_path)
+    assert "no weights" in str(info.value) and "PyTorch" not in str(info.value)
+    (tmp_path / "pytorch_model.bin").write_bytes(b"\0" * 8)
+    with pytest.raises(FileNotFoundError, match=r"its weights are PyTorch files "
+                                                r"\(pytorch_model.bin\), which this loader "
+                                                r"does not read"):
         from_pretrained(tmp_path)
 
 

@@ -7,6 +7,7 @@ import os
 import shutil
 import subprocess
 import sys
+import types
 
 import numpy as np
 import pytest
@@ -19,6 +20,7 @@ from manyheads.models import from_pretrained  # noqa: E402
 from manyheads.models.random import save_random_checkpoint  # noqa: E402
 
 REPO = "tiny-org/tiny-llama"
+PARTIAL = "tiny-org/only-config"  # cached: config.json and the tokenizer, no weights
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 OLD_COMMIT = "fedcba9876543210fedcba9876543210fedcba98"
 PROMPT = [[3, 1, 4, 1, 5]]
@@ -36,6 +38,12 @@ def hub(tmp_path_factory):
         shutil.copytree(src, repo / "snapshots" / commit)
     (repo / "refs").mkdir()
     (repo / "refs" / "main").write_text(COMMIT)
+    # what AutoConfig / AutoTokenizer leave in the cache
+    partial = root / "home" / "hub" / ("models--" + PARTIAL.replace("/", "--"))
+    shutil.copytree(main, partial / "snapshots" / COMMIT,
+                    ignore=shutil.ignore_patterns("*.safetensors"))
+    (partial / "refs").mkdir()
+    (partial / "refs" / "main").write_text(COMMIT)
     return str(root / "home"), main, old
 
 
@@ -81,6 +89,42 @@ def test_an_uncached_revision_offline_is_an_error_that_says_so(hub):
     assert out.startswith("OSError") and repr(REPO) in out and "revision 'v2'" in out
     out = generated(home, "other-org/missing")
     assert out.startswith("OSError") and "neither in the local cache nor downloadable" in out
+
+
+def test_a_cached_snapshot_without_weights_offline_says_they_are_missing(hub):
+    home, _, _ = hub
+    out = generated(home, PARTIAL)
+    assert out.startswith("OSError") and repr(PARTIAL) in out
+    assert "gave no safetensors weights" in out and "config.json, tokenizer.json" in out
+    assert "could not be downloaded (HF_HUB_OFFLINE=1" in out
+    assert f"hf download {PARTIAL}" in out
+
+
+def test_a_cached_snapshot_without_weights_is_downloaded(hub, tmp_path, monkeypatch):
+    """A snapshot in the cache without the weights (none, or some shards of an index
+    only) is no cached checkpoint: the download follows, and its folder is read."""
+    _, main, _ = hub
+    bare = tmp_path / "bare"
+    shutil.copytree(main, bare, ignore=shutil.ignore_patterns("*.safetensors"))
+    sharded = tmp_path / "sharded"
+    shutil.copytree(bare, sharded)
+    (sharded / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {
+        "a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}}))
+    shutil.copy(os.path.join(main, "model.safetensors"),
+                sharded / "model-00001-of-00002.safetensors")
+    for cached in (bare, sharded):
+        calls = []
+
+        def snapshot_download(repo_id, revision=None, allow_patterns=None,
+                              local_files_only=False):
+            calls.append((repo_id, local_files_only))
+            return str(cached) if local_files_only else main
+
+        fake = types.SimpleNamespace(snapshot_download=snapshot_download)
+        monkeypatch.setitem(sys.modules, "huggingface_hub", fake)
+        model = from_pretrained(REPO)
+        assert calls == [(REPO, True), (REPO, False)]
+        assert json.dumps(model.generate(PROMPT, 8).tolist()) == tokens_of(main)
 
 
 def test_a_local_folder_wins_over_the_hub(hub, tmp_path):

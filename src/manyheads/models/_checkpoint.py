@@ -359,10 +359,16 @@ class Checkpoint(TensorSource):
             return names
         if os.path.isfile(os.path.join(self.folder, SINGLE_FILE)):
             return [SINGLE_FILE]
-        names = sorted(n for n in os.listdir(self.folder) if n.endswith(".safetensors"))
+        files = os.listdir(self.folder)
+        names = sorted(n for n in files if n.endswith(".safetensors"))
         if not names:
-            raise FileNotFoundError(f"{self.folder!r} has no *.safetensors file (this loader "
-                                    "reads safetensors only, not PyTorch .bin files)")
+            torch_files = sorted(n for n in files if n.endswith((".bin", ".pt", ".pth")))
+            raise FileNotFoundError(
+                f"{self.folder!r} has no *.safetensors file" + (
+                    f": its weights are PyTorch files ({', '.join(torch_files)}), which this "
+                    "loader does not read (safetensors only)" if torch_files else
+                    " (no weights: this loader reads model.safetensors, or the shards of "
+                    f"{INDEX_FILE})"))
         return names
 
     def __enter__(self) -> "Checkpoint":
