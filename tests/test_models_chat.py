@@ -75,7 +75,8 @@ def test_generate_stops_at_a_stop_string(chat_dir):
     (["--temperature", "0.5"], "--temperature apply to sampling: add --do-sample"),
     (["--do-sample", "--top-p", "1.5"], "top_p must be in (0, 1]"),
     (["--do-sample", "--temperature", "0"], "temperature must be > 0"),
-    (["--do-sample", "--top-k", "0"], "top_k must be a positive int"),
+    (["--do-sample", "--top-k", "-1"], "top_k must be an int >= 0 or None"),
+    (["--do-sample", "--seed", "-1"], "seed must be an int >= 0"),
     (["--do-sample", "--min-p", "2"], "min_p must be in [0, 1]"),
     (["--repetition-penalty", "-1"], "repetition_penalty must be > 0"),
     (["--stop", ""], "stop: an empty string"),
@@ -119,6 +120,47 @@ def test_chat_renders_the_conversation_and_streams_the_replies(chat_dir):
     assert res.returncode == 0, res.stderr
     assert res.stdout == "".join(e + "\n" for e in expected)
     assert "chat: one message a line" in res.stderr
+
+
+def test_chat_ends_a_reply_at_each_id_of_config_json(chat_dir, tmp_path):
+    """config.json's eos_token_id list: its second id ends the reply too."""
+    folder = tmp_path / "eos-list"
+    shutil.copytree(chat_dir, folder)
+    tok = tokenizers.Tokenizer.from_file(os.path.join(folder, "tokenizer.json"))
+    model = from_pretrained(chat_dir)
+    messages = [{"role": "user", "content": "the cat sat on the mat"}]
+    ids = tok.encode(rendered(messages), add_special_tokens=False).ids
+    dot = tok.token_to_id(".")
+    greedy = model.generate(np.array([ids]), 12)[0].tolist()
+    cut = greedy.index(dot) if dot in greedy else 12
+    assert cut >= 3
+    end = greedy[2]
+    reply = greedy[:greedy.index(end)]
+    unused = next(t for t in range(model.vocab_size) if t not in greedy)
+    with open(folder / "config.json") as f:
+        cfg = json.load(f)
+    with open(folder / "config.json", "w") as f:
+        json.dump({**cfg, "eos_token_id": [unused, end]}, f)
+    res = cli("chat", "--model", str(folder), "--max-new-tokens", "12",
+              stdin="the cat sat on the mat\n")
+    assert res.returncode == 0, res.stderr
+    assert res.stdout == tok.decode(ids + reply)[len(tok.decode(ids)):] + "\n"
+
+
+def test_top_k_0_turns_the_filter_off(tmp_path):
+    """--top-k 0 means no top-k filter (as top_k 0 does in transformers): not the
+    default 50."""
+    folder = save_random_checkpoint(tmp_path / "ids", "gpt2", seed=5, vocab_size=400)
+    model = from_pretrained(folder)
+    prompt = np.array([[1, 2, 3]])
+    res = cli("generate", "--model", folder, "--prompt", "1 2 3", "--max-new-tokens", "24",
+              "--do-sample", "--seed", "7", "--top-k", "0", "--temperature", "3")
+    assert res.returncode == 0, res.stderr
+    kw = dict(do_sample=True, seed=7, temperature=3.0)
+    off = model.generate(prompt, 24, **kw)[0].tolist()
+    assert res.stdout.split() == ["1", "2", "3"] + [str(t) for t in off]
+    assert off != model.generate(prompt, 24, top_k=50, **kw)[0].tolist()
+    assert "top_k off (flag)" in res.stderr
 
 
 def test_chat_needs_a_template(chat_dir, tmp_path):

@@ -1,6 +1,8 @@
 """``python -m manyheads generate`` and ``show --model`` on tiny random checkpoints, run
 as a user would: in a subprocess, reading what it prints."""
+import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -117,3 +119,61 @@ def test_show_checks_the_layer(with_tokenizer, tmp_path):
     assert res.returncode == 2 and "layer must be in [0, 1]" in res.stderr
     res = cli("show", "--layer", "1", "--text", "the cat sat", "--out", str(tmp_path / "x.png"))
     assert res.returncode == 2 and "--layer needs --model" in res.stderr
+
+
+def _with_files(src, dst, **files):
+    """A copy of checkpoint ``src`` with JSON files changed (config.json's keys updated,
+    the others written whole)."""
+    shutil.copytree(src, dst)
+    for name, content in files.items():
+        path = os.path.join(dst, name.replace("__", "."))
+        if name == "config__json":
+            with open(path) as f:
+                content = {**json.load(f), **content}
+        with open(path, "w") as f:
+            json.dump(content, f)
+    return str(dst)
+
+
+def test_generate_stops_at_every_end_of_sequence_id(with_tokenizer, tmp_path):
+    """Each id of config.json's list, generation_config.json's eos_token_id (one or a
+    list) and tokenizer_config.json's eos_token ends the text, as transformers' generate
+    stops at each of the first two."""
+    transformers = pytest.importorskip("transformers")
+    torch = pytest.importorskip("torch")
+    prompt = "the cat sat on the"
+    tok = tokenizers.Tokenizer.from_file(os.path.join(with_tokenizer, "tokenizer.json"))
+    ids = tok.encode(prompt).ids
+    model = from_pretrained(with_tokenizer)
+    greedy = model.generate(np.array([ids]), 20)[0].tolist()
+    end = greedy[6]
+    stop = greedy.index(end) + 1  # the tokens printed, the end included
+    unused = next(t for t in range(model.vocab_size) if t not in greedy)
+    cases = {
+        "list": dict(config__json={"eos_token_id": [unused, end]}),
+        "generation list": dict(config__json={"eos_token_id": unused},
+                                generation_config__json={"eos_token_id": [unused, end]}),
+        "generation int": dict(generation_config__json={"eos_token_id": end}),
+        "tokenizer": dict(tokenizer_config__json={"eos_token": tok.id_to_token(end)}),
+    }
+    for name, files in cases.items():
+        folder = _with_files(with_tokenizer, tmp_path / name.replace(" ", "-"), **files)
+        res = cli("generate", "--model", folder, "--prompt", prompt, "--max-new-tokens", "20")
+        assert res.returncode == 0, res.stderr
+        assert res.stdout == tok.decode(ids + greedy[:stop]) + "\n", name
+        assert f"generated {stop} tokens" in res.stderr, name
+        if name != "tokenizer":  # transformers does not read the tokenizer's eos_token
+            hf = transformers.AutoModelForCausalLM.from_pretrained(folder)
+            with torch.no_grad():
+                ref = hf.generate(torch.tensor([ids]), max_new_tokens=20, do_sample=False,
+                                  pad_token_id=0)[0, len(ids):].tolist()
+            assert ref == greedy[:stop], name
+    res = cli("generate", "--model", folder, "--prompt", prompt, "--max-new-tokens", "20",
+              "--ignore-eos")
+    assert res.returncode == 0 and res.stdout == tok.decode(ids + greedy) + "\n"
+    listed = _with_files(with_tokenizer, tmp_path / "python",
+                         config__json={"eos_token_id": [unused, end]})
+    model = from_pretrained(listed)
+    assert model.eos_token_id == [unused, end]
+    out = model.generate(np.array([ids]), 20, eos_token_id=model.eos_token_id)[0].tolist()
+    assert out == greedy[:stop] + [unused] * (20 - stop)

@@ -50,7 +50,7 @@ def assert_same_processing(ours, theirs):
        scale=st.sampled_from([0.1, 1.0, 4.0, 20.0]),
        do_sample=st.booleans(),
        temperature=st.sampled_from([1.0, 0.3, 0.7, 1.6]),
-       top_k=st.sampled_from([None, 1, 3, 40, 2000]),
+       top_k=st.sampled_from([None, 0, 1, 3, 40, 2000]),
        top_p=st.sampled_from([None, 1.0, 0.05, 0.5, 0.9, 0.99]),
        min_p=st.sampled_from([None, 0.0, 0.02, 0.2, 1.0]),
        penalty=st.sampled_from([1.0, 1.3, 0.7, 2.5]))
@@ -237,9 +237,11 @@ def test_stop_strings_end_rows_on_the_decoded_text(model_dir, model):
     (dict(temperature=-1.0), "temperature must be > 0"),
     (dict(temperature=float("nan")), "temperature must be finite"),
     (dict(temperature="hot"), "temperature must be a number"),
-    (dict(top_k=0), "top_k must be a positive int"),
-    (dict(top_k=2.5), "top_k must be a positive int"),
-    (dict(top_k=True), "top_k must be a positive int"),
+    (dict(top_k=-1), "top_k must be an int >= 0 or None"),
+    (dict(top_k=2.5), "top_k must be an int >= 0 or None"),
+    (dict(top_k=True), "top_k must be an int >= 0 or None"),
+    (dict(seed=-1), "seed must be an int >= 0"),
+    (dict(do_sample=False, seed=-3), "seed must be an int >= 0"),
     (dict(top_p=0.0), "top_p must be in (0, 1]"),
     (dict(top_p=1.5), "top_p must be in (0, 1]"),
     (dict(min_p=-0.1), "min_p must be in [0, 1]"),
@@ -269,3 +271,68 @@ def test_stop_strings_need_a_filler(model_dir, model):
     tok = tokenizers.Tokenizer.from_file(f"{model_dir}/tokenizer.json")
     with pytest.raises(ValueError, match="stop strings need pad_token_id"):
         model.generate([[3, 1, 4]], 4, stop=["cat"], tokenizer=tok)
+
+
+def test_top_k_0_is_no_filter_as_in_transformers(model):
+    """transformers' generate adds no top-k warper for top_k=0: neither does generate."""
+    assert check_sampling(True, top_k=0).top_k is None
+    ids = np.array([[3, 1, 4, 1, 5]])
+    off = model.generate(ids, 20, do_sample=True, top_k=0, seed=4, temperature=1.5)
+    assert np.array_equal(off, model.generate(ids, 20, do_sample=True, top_k=None, seed=4,
+                                              temperature=1.5))
+    assert not np.array_equal(off, model.generate(ids, 20, do_sample=True, top_k=3, seed=4,
+                                                  temperature=1.5))
+
+
+@pytest.mark.parametrize("temperature", [1e-30, 1e-38, 1e-45, 1e-50, 5e-324])
+def test_tiny_temperatures_sample_the_greedy_tokens(model, temperature):
+    """As the temperature goes to 0 sampling becomes greedy; a temperature whose quotients
+    overflow float32 must not turn the logits into inf and NaN (and token 0)."""
+    ids = np.array([[3, 1, 4, 1, 5], [9, 2, 6, 5, 3]])
+    for seed in (1, 2):
+        out = model.generate(ids, 12, do_sample=True, temperature=temperature, seed=seed)
+        assert np.array_equal(out, reference_greedy(model, ids, 12))
+
+
+def test_a_tiny_temperature_keeps_the_largest_logits_and_their_ties():
+    logits = np.array([[1.0, 3.0, 3.0, -2.0], [0.5, -40.0, 0.25, 7.0]], dtype=np.float32)
+    for t in (1e-40, 1e-300):
+        s = check_sampling(True, temperature=t)
+        out = process_logits(logits, s, None)
+        assert out.tolist() == [[-np.inf, 0.0, 0.0, -np.inf], [-np.inf, -np.inf, -np.inf, 0.0]]
+        # the draws share the tie evenly, as softmax(logits / t) does as t goes to 0
+        draws = choose(np.repeat(out[:1], 4000, axis=0), s, np.random.default_rng(0))
+        assert set(draws.tolist()) == {1, 2} and abs((draws == 1).mean() - 0.5) < 0.05
+
+
+def test_wrong_argument_types_are_type_errors_that_name_them(model):
+    calls = []
+    for kw, message in [(dict(max_new_tokens=None), "max_new_tokens must be a non-negative int"),
+                        (dict(max_new_tokens="3"), "max_new_tokens must be a non-negative int"),
+                        (dict(seed="abc"), "seed must be an int >= 0"),
+                        (dict(seed=2.0), "seed must be an int >= 0")]:
+        args = {"max_new_tokens": 4, "do_sample": True, **kw}
+        with pytest.raises(TypeError, match=message):
+            model.generate([[3, 1, 4]], callback=lambda *a: calls.append(a), **args)
+    assert calls == []
+    with pytest.raises(TypeError, match="layer must be an int"):
+        model.attention_weights([[3, 1, 4]], 1.0)
+
+
+def test_caches_that_cannot_hold_the_generation_are_refused_before_it_starts(model):
+    calls = []
+    cb = lambda *a: calls.append(a)  # noqa: E731
+    short = model.new_caches(1, 9)
+    with pytest.raises(ValueError, match=r"caches hold 9 tokens \(max_len=9\), fewer than the "
+                                         r"prompt's 4 plus max_new_tokens=6 \(10\)"):
+        model.generate([[3, 1, 4, 1]], 6, caches=short, callback=cb)
+    assert calls == [] and all(len(c) == 0 for c in short)
+    assert model.generate([[3, 1, 4, 1]], 5, caches=short).shape == (1, 5)  # 9 fit
+    wide = model.new_caches(2, 16)
+    with pytest.raises(ValueError, match="caches were made for batch_size=2, but ids have "
+                                         "batch size 1"):
+        model.generate([[3, 1, 4, 1]], 3, caches=wide, callback=cb)
+    assert calls == [] and all(len(c) == 0 for c in wide)
+    with pytest.raises(ValueError, match="caches were made for batch_size=2, but ids have "
+                                         "batch size 3"):
+        model.logits(np.ones((3, 2), dtype=int), caches=wide)

@@ -327,7 +327,7 @@ def _sampling_kwargs(args: argparse.Namespace, model: Any, tok: Any,
     sampling settings with --do-sample).  With --do-sample, the settings and where
     each came from go to stderr."""
     from manyheads.models._checkpoint import read_json
-    from manyheads.models._sampling import check_sampling, check_stop
+    from manyheads.models._sampling import check_sampling, check_seed, check_stop
 
     given = [flag for name, flag in SAMPLING_FLAGS.items() if getattr(args, name) is not None]
     if given and not args.do_sample:
@@ -357,9 +357,11 @@ def _sampling_kwargs(args: argparse.Namespace, model: Any, tok: Any,
             raise
         raise ValueError(f"{exc} (from the checkpoint's generation_config.json; a flag "
                          f"overrides it)") from None
+    check_seed(kw.get("seed"))
     kw["do_sample"] = args.do_sample
     if args.do_sample:
-        shown = ", ".join(f"{n} {kw[n]} ({source[n]})" for n in
+        shown = ", ".join(f"{n} {'off' if n == 'top_k' and kw[n] == 0 else kw[n]} "
+                          f"({source[n]})" for n in
                           ("temperature", "top_k", "top_p", "min_p", "repetition_penalty")
                           if n in kw)
         print(f"sampling: {shown or 'the plain distribution'}", file=sys.stderr)
@@ -410,6 +412,14 @@ class _Stream:
         self.out.flush()
 
 
+def _end_ids(folder: str, model: Any, tok: Any) -> list[int]:
+    """The ids that end generation (see ``end_token_ids``) that the model can produce."""
+    from manyheads.models._chat import end_token_ids
+
+    return [t for t in end_token_ids(folder, model.eos_token_id, tok)
+            if 0 <= t < model.vocab_size]
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     try:
         t0 = time.perf_counter()
@@ -419,6 +429,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         n = args.max_new_tokens
         _check_prompt(model, ids, n)  # before anything is printed
         kw = _sampling_kwargs(args, model, tok, folder)
+        ends = [] if args.ignore_eos else _end_ids(folder, model, tok)
         # the storage name goes to KVCache as it is; it checks it and names what it accepts
         caches = model.new_caches(1, len(ids) + n, args.cache_dtype) if n else []
     except (OSError, ValueError, TypeError, ImportError) as exc:
@@ -426,15 +437,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
         return 2
     print(f"{model}\nloaded in {load_s:.2f} s; kernel path {mh.kernel_isa()}, "
           f"{mh.get_num_threads()} threads; prompt {len(ids)} tokens", file=sys.stderr)
-    eos = None if args.ignore_eos else model.eos_token_id
     out = sys.stdout
     stream = _Stream(tok, ids, out)
     out.write(args.prompt if tok is None else stream.prompt_text)
     out.flush()
     start = time.perf_counter()
     try:
-        model.generate(np.array([ids]), n, eos_token_id=eos, callback=stream, caches=caches,
-                       **kw)
+        model.generate(np.array([ids]), n, eos_token_id=ends or None, callback=stream,
+                       caches=caches, **kw)
     except (ValueError, TypeError) as exc:
         print(f"\nerror: {exc}", file=sys.stderr)
         return 2
@@ -458,7 +468,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def cmd_chat(args: argparse.Namespace) -> int:
     """A conversation on stdin, one user message per line, each reply streamed to stdout
     (the whole conversation, rendered by the chat template, is the prompt of each reply)."""
-    from manyheads.models._chat import chat_template, end_token_ids, render_chat, special_tokens
+    from manyheads.models._chat import chat_template, render_chat, special_tokens
 
     try:
         model, tok, folder = _load_checkpoint(args.model, args.revision, args.weight_dtype)
@@ -467,7 +477,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
                              "none)")
         template = chat_template(folder)
         specials = special_tokens(folder)
-        ends = end_token_ids(folder, model.eos_token_id, tok)
+        ends = _end_ids(folder, model, tok)
         kw = _sampling_kwargs(args, model, tok, folder)
         if args.max_new_tokens < 1:
             raise ValueError(f"--max-new-tokens must be 1 or more, got {args.max_new_tokens}")
@@ -637,7 +647,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--prompt", required=True,
                    help="the text (token ids such as \"1 2 3\" without tokenizer.json)")
     g.add_argument("--ignore-eos", action="store_true",
-                   help="keep generating past the end-of-sequence token")
+                   help="keep generating past the end-of-sequence tokens (those of "
+                        "config.json, generation_config.json and tokenizer_config.json)")
     c = sub.add_parser("chat", help="a conversation with a checkpoint through its chat "
                                     "template: one message a line on stdin")
     _add_model_flags(c, 256)
@@ -663,11 +674,12 @@ def _add_model_flags(p: argparse.ArgumentParser, max_new_tokens: int) -> None:
     s = p.add_argument_group(
         "sampling (transformers' meanings and order; default: greedy). A setting not given "
         "as a flag comes from the checkpoint's generation_config.json, else transformers' "
-        "default (with --do-sample: temperature 1, top-k 50)")
+        "default (with --do-sample: temperature 1, top-k 50; --top-k 0 turns it off)")
     s.add_argument("--do-sample", action="store_true",
                    help="draw each token from the processed distribution")
     s.add_argument("--temperature", type=float, help="divide the logits by it (> 0)")
-    s.add_argument("--top-k", type=int, help="keep the k most probable tokens")
+    s.add_argument("--top-k", type=int,
+                   help="keep the k most probable tokens (0: no top-k filter)")
     s.add_argument("--top-p", type=float,
                    help="keep the most probable tokens that add up to this probability")
     s.add_argument("--min-p", type=float,

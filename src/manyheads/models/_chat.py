@@ -84,16 +84,20 @@ def render_chat(template: str, messages: Sequence[dict[str, Any]], *,
     return text
 
 
-def end_token_ids(folder: str, model_eos: int | None, tokenizer: Any) -> list[int]:
-    """The ids that end a reply: ``eos_token_id`` of ``generation_config.json`` (one or
-    a list), the model's, and ``tokenizer_config.json``'s ``eos_token``."""
+def end_token_ids(folder: str, model_eos: int | Sequence[int] | None,
+                  tokenizer: Any) -> list[int]:
+    """The ids that end generation (a reply of ``chat``, the text of ``generate``): each
+    ``eos_token_id`` of ``generation_config.json`` (one or a list), the model's (from
+    ``config.json``: one or a list), and ``tokenizer_config.json``'s ``eos_token`` (when
+    there is a ``tokenizer``, with ``token_to_id``)."""
     ids: list[int] = []
     gen = read_json(folder, "generation_config.json").get("eos_token_id")
-    for value in (gen if isinstance(gen, list) else [gen]) + [model_eos]:
-        if isinstance(value, int) and not isinstance(value, bool) and value not in ids:
-            ids.append(value)
+    for value in (gen, model_eos):
+        for t in (value if isinstance(value, (list, tuple)) else [value]):
+            if isinstance(t, int) and not isinstance(t, bool) and t not in ids:
+                ids.append(t)
     eos_text = special_tokens(folder).get("eos_token")
-    if eos_text is not None:
+    if eos_text is not None and tokenizer is not None:
         tid = tokenizer.token_to_id(eos_text)
         if tid is not None and tid not in ids:
             ids.append(int(tid))

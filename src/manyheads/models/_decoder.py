@@ -27,7 +27,8 @@ from .. import _config, _core, _kernels
 from ..cache import KVCache
 from ..modules import MultiHeadAttention
 from ..weights import gather_columns, weight_format
-from ._sampling import check_sampling, check_stop, choose, process_logits, token_ids
+from ._sampling import (check_sampling, check_seed, check_stop, choose, process_logits,
+                        token_ids)
 
 __all__ = ["DecoderModel", "Block", "rms_norm", "layer_norm", "project", "prepared", "eos_of"]
 
@@ -83,11 +84,13 @@ def layer_norm(x: np.ndarray, weight: np.ndarray, bias: np.ndarray, eps: float) 
     return y
 
 
-def eos_of(cfg: dict[str, Any]) -> int | None:
-    """The config's end-of-sequence id (the first of a list), or None."""
+def eos_of(cfg: dict[str, Any]) -> int | list[int] | None:
+    """The config's end-of-sequence id, or its list of them (Llama 3 Instruct, Qwen2.5 and
+    others list several: each ends generation), or None."""
     eos = cfg.get("eos_token_id")
-    if isinstance(eos, list) and eos:
-        eos = eos[0]
+    if isinstance(eos, list):
+        ids = [t for t in eos if isinstance(t, int) and not isinstance(t, bool)]
+        return ids or None
     return eos if isinstance(eos, int) and not isinstance(eos, bool) else None
 
 
@@ -123,6 +126,10 @@ class DecoderModel:
     blocks : list
         One block per layer; ``blocks[i].attn`` is its
         :class:`~manyheads.MultiHeadAttention`.
+    eos_token_id : int, list of int or None
+        ``config.json``'s end-of-sequence id, or its list of them as the config
+        gives it (pass it to :meth:`generate`'s ``eos_token_id`` to stop at any of
+        them); ``generate`` itself stops only at the ids it is given.
     """
 
     model_type: str
@@ -137,7 +144,7 @@ class DecoderModel:
     tied_embeddings: bool
     blocks: Sequence[Block]
     head: Any  # (d_model, vocab): the LM head in x @ W form, in the weights' format
-    eos_token_id: int | None = None
+    eos_token_id: int | list[int] | None = None
     learned_positions = False  # True: _embed reads the tokens' absolute positions
     final_softcap: float | None = None  # c of the logits' soft cap c tanh(z / c) (Gemma)
 
@@ -276,6 +283,9 @@ class DecoderModel:
         if caches is not None and len(caches) != self.num_layers:
             raise ValueError(f"caches must be a list of {self.num_layers} KVCache "
                              f"(model.new_caches()), got {len(caches)}")
+        if caches is not None and caches[0].batch_size != arr.shape[0]:
+            raise ValueError(f"caches were made for batch_size={caches[0].batch_size}, but "
+                             f"ids have batch size {arr.shape[0]}")
         past = 0 if caches is None else len(caches[0])
         self._check_room(past, arr.shape[1])
         pad = self._check_mask(attention_mask, arr.shape, past)
@@ -361,16 +371,22 @@ class DecoderModel:
             Called with each step's new tokens (B,) as soon as they are chosen.
         caches : list of KVCache, optional
             Empty caches from :meth:`new_caches` to use (and inspect afterwards,
-            e.g. their ``nbytes``); by default fresh ones are made.
+            e.g. their ``nbytes``), made for batch size B and a ``max_len`` of at
+            least T + ``max_new_tokens``; by default fresh ones are made.
         do_sample : bool
             False (default): the most probable token (greedy).  True: a draw
             from the processed distribution.
         temperature : float > 0
-            With ``do_sample``: the logits are divided by it (default 1.0).
-        top_k : int >= 1, optional
+            With ``do_sample``: the logits are divided by it (default 1.0).  Any
+            positive finite temperature works: one so small that the quotients
+            would overflow float32 divides each row's logits less its largest
+            (the same distribution), so sampling approaches greedy decoding as
+            the temperature approaches 0.
+        top_k : int >= 0, optional
             With ``do_sample``: keep the ``top_k`` largest logits (and ties with
-            the last of them).  None (default): no top-k filter (transformers'
-            ``generate`` uses 50 unless told otherwise).
+            the last of them).  None (default) or 0, as in transformers: no
+            top-k filter (transformers' ``generate`` uses 50 unless told
+            otherwise).
         top_p : float in (0, 1], optional
             With ``do_sample``: keep the smallest set of most probable tokens
             whose probabilities add up to ``top_p``; 1.0 or None: no filter.
@@ -381,10 +397,10 @@ class DecoderModel:
             Applied to the logits of every token seen so far (the prompt's and
             the generated ones), greedy or not: a positive logit is divided by
             it, a negative one multiplied (1.0, the default: none).
-        seed : int or numpy.random.Generator, optional
+        seed : int >= 0 or numpy.random.Generator, optional
             With ``do_sample``: the source of the draws
             (``numpy.random.default_rng(seed)``); the same seed gives the same
-            tokens.  None: fresh entropy.
+            tokens.  None: fresh entropy.  Checked whether or not it is used.
         stop : list of str and int, optional
             A row also ends when it produces one of these token ids, or when
             its generated text (``tokenizer.decode`` of its new tokens)
@@ -398,9 +414,12 @@ class DecoderModel:
             ``eos_token_id``, else the first stop id).
         """
         arr = self._check_ids(ids)
-        n = int(max_new_tokens)
-        if isinstance(max_new_tokens, bool) or n != max_new_tokens or n < 0:
+        if isinstance(max_new_tokens, bool) or \
+                not isinstance(max_new_tokens, (int, np.integer, float, np.floating)):
+            raise TypeError(f"max_new_tokens must be a non-negative int, got {max_new_tokens!r}")
+        if not (float(max_new_tokens).is_integer() and max_new_tokens >= 0):
             raise ValueError(f"max_new_tokens must be a non-negative int, got {max_new_tokens!r}")
+        n = int(max_new_tokens)
         B, T = arr.shape
         self._check_room(0, T + n)
         pad = self._check_mask(attention_mask, arr.shape, 0)
@@ -413,14 +432,15 @@ class DecoderModel:
         if stop_texts is not None and not fill:
             raise ValueError("stop strings need pad_token_id (or eos_token_id): the id that "
                              "fills a row after it ends")
+        check_seed(seed)
+        if caches is not None:
+            self._check_generate_caches(caches, B, T, n)
         rng = np.random.default_rng(seed) if settings.do_sample else None
         out = np.empty((B, n), dtype=np.int64)
         if n == 0:
             return out
         if caches is None:
             caches = self.new_caches(B, T + n, cache_dtype)
-        elif len(caches) != self.num_layers or any(len(c) for c in caches):
-            raise ValueError(f"caches must be {self.num_layers} empty caches from new_caches()")
         seen = None
         if settings.penalises:  # the prompts' real tokens
             seen = np.zeros((B, self.vocab_size), dtype=bool)
@@ -450,8 +470,26 @@ class DecoderModel:
                 logits = self.logits(tok[:, None], caches=caches, last_only=True)
         return out
 
+    def _check_generate_caches(self, caches: Any, batch: int, prompt: int, new: int) -> None:
+        """Refuse caches that ``generate`` could not fill: not ``num_layers`` empty
+        KVCaches, made for another batch size, or too short for the prompt and the new
+        tokens."""
+        if not isinstance(caches, (list, tuple)) or len(caches) != self.num_layers or \
+                not all(isinstance(c, KVCache) for c in caches) or any(len(c) for c in caches):
+            raise ValueError(f"caches must be {self.num_layers} empty caches from new_caches()")
+        other = [c.batch_size for c in caches if c.batch_size != batch]
+        if other:
+            raise ValueError(f"caches were made for batch_size={other[0]}, but ids have "
+                             f"batch size {batch}")
+        room = min(c.max_len for c in caches)
+        if room < prompt + new:
+            raise ValueError(f"caches hold {room} tokens (max_len={room}), fewer than the "
+                             f"prompt's {prompt} plus max_new_tokens={new} ({prompt + new})")
+
     def attention_weights(self, ids: Any, layer: int) -> np.ndarray:
         """Every head's attention weights of layer ``layer`` for one sequence: (H, T, T)."""
+        if isinstance(layer, bool) or not isinstance(layer, (int, np.integer)):
+            raise TypeError(f"layer must be an int (a layer index), got {layer!r}")
         arr = self._check_ids(ids)
         if arr.shape[0] != 1:
             raise ValueError(f"attention_weights takes one sequence, got a batch of {arr.shape[0]}")

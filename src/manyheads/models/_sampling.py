@@ -6,8 +6,13 @@ its meanings (written here in NumPy, float32 like the logits):
 1. repetition penalty, on the raw logits of every token already seen (the prompt's real
    tokens and the generated ones): a positive logit is divided by the penalty, a
    negative one multiplied by it.  It applies to greedy decoding too;
-2. (sampling only) temperature: the logits divided by it;
+2. (sampling only) temperature: the logits divided by it.  A temperature so small that
+   the quotients would overflow float32 divides each row's logits less the row's
+   largest instead (the same softmax): the best token keeps logit 0 and the others
+   fall towards -inf, so sampling approaches greedy decoding (ties shared) as the
+   temperature approaches 0, rather than turning the logits into inf and NaN;
 3. top-k: the logits below the k-th largest are filtered out (ties with it are kept);
+   top_k 0, as in transformers, means no filter;
 4. top-p: counting up from the least probable token, the tokens whose cumulative
    probability stays at or below ``1 - top_p`` are filtered out (what remains is the
    smallest set of most probable tokens whose probabilities add up to ``top_p`` or
@@ -34,7 +39,11 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["Sampling", "check_sampling", "process_logits", "choose", "softmax"]
+__all__ = ["Sampling", "check_sampling", "check_seed", "process_logits", "choose", "softmax"]
+
+# the largest quotient logit / temperature kept as it is (float32's largest is 3.4e38)
+_QUOTIENT_LIMIT = 1e38
+_FLOAT32_TINY = float(np.finfo(np.float32).tiny)  # the smallest normal float32
 
 
 @dataclass(frozen=True)
@@ -76,9 +85,10 @@ def check_sampling(do_sample: bool = False, temperature: float = 1.0, top_k: int
         raise ValueError(f"temperature must be > 0, got {temperature!r} (for greedy decoding "
                          "use do_sample=False)")
     if top_k is not None:
-        if isinstance(top_k, bool) or not isinstance(top_k, (int, np.integer)) or top_k < 1:
-            raise ValueError(f"top_k must be a positive int or None, got {top_k!r}")
-        top_k = int(top_k)
+        if isinstance(top_k, bool) or not isinstance(top_k, (int, np.integer)) or top_k < 0:
+            raise ValueError(f"top_k must be an int >= 0 or None (0 or None: no top-k "
+                             f"filter), got {top_k!r}")
+        top_k = int(top_k) or None  # 0 turns the filter off, as in transformers
     if top_p is not None:
         top_p = _number("top_p", top_p)
         if not 0 < top_p <= 1:
@@ -91,6 +101,21 @@ def check_sampling(do_sample: bool = False, temperature: float = 1.0, top_k: int
     if r <= 0:
         raise ValueError(f"repetition_penalty must be > 0, got {repetition_penalty!r}")
     return Sampling(bool(do_sample), t, top_k, top_p, min_p, r)
+
+
+def check_seed(seed: Any) -> None:
+    """Refuse a ``seed`` that is none of None, an int >= 0, or a NumPy
+    ``Generator`` (or ``BitGenerator``, ``SeedSequence``): TypeError or ValueError
+    naming it."""
+    if seed is None or isinstance(seed, (np.random.Generator, np.random.BitGenerator,
+                                         np.random.SeedSequence)):
+        return
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
+        raise TypeError(f"seed must be an int >= 0, a numpy.random.Generator or None, "
+                        f"got {seed!r}")
+    if seed < 0:
+        raise ValueError(f"seed must be an int >= 0, a numpy.random.Generator or None, "
+                         f"got {seed!r}")
 
 
 def softmax(x: np.ndarray) -> np.ndarray:
@@ -141,8 +166,18 @@ def process_logits(logits: np.ndarray, settings: Sampling,
         x = np.where(seen, np.where(x < 0, x * p, x / p), x)
     if not settings.do_sample:
         return x
-    if settings.temperature != 1.0:
-        x /= np.float32(settings.temperature)
+    t = settings.temperature
+    if t != 1.0:
+        peak = float(np.abs(x).max()) if x.size else 0.0
+        if t >= _FLOAT32_TINY and peak <= t * _QUOTIENT_LIMIT:
+            x /= np.float32(t)  # as transformers divides
+        else:
+            # the quotients would overflow float32 (or t is no normal float32): each
+            # row less its largest logit, divided in float64, the same softmax; the
+            # best token gets 0, what overflows is -inf (probability 0 either way)
+            with np.errstate(over="ignore"):
+                shifted = x.astype(np.float64) - x.max(axis=-1, keepdims=True)
+                x = (shifted / t).astype(np.float32)
     neg_inf = np.float32(-np.inf)
     V = x.shape[-1]
     if settings.top_k is not None and settings.top_k < V:
