@@ -614,3 +614,20 @@ def test_a_weight_refuses_values_its_format_would_not_stand_for(rng, fmt, bad, f
     assert np.isfinite(back).all()
     got = ArrayTensors({"p": w.T.copy()}, fmt).linear("p", 6, 40)
     np.testing.assert_array_equal(got.dequantize() if fmt == "int8" else got, back)
+
+
+def test_an_int8_weight_refuses_float64_values_beyond_float32s_range(rng):
+    # its scales are float32: a finite float64 value past float32's largest would make
+    # its column's scale inf and every value of the column NaN
+    from manyheads.weights import convert_weight
+
+    w = rng.standard_normal((6, 4))
+    w[2, 1] = 1e39
+    with pytest.raises(ValueError, match="1e\\+39, beyond float32's range"):
+        convert_weight(w, "int8")
+    with pytest.raises(ValueError, match="beyond float32's range"):
+        mh.Int8Weight.quantize(w, 2)
+    w[2, 1] = 3.4e38  # (float32 holds it)
+    back = convert_weight(w, "int8").dequantize()
+    assert np.isfinite(back).all()
+    np.testing.assert_allclose(back[:, 1], w[:, 1], rtol=0, atol=3.4e38 / 127 / 2 * 1.0001)

@@ -139,6 +139,8 @@ def cache_format(dtype: Any) -> StorageFormat:
 BF16_MAX = float(np.uint32(0x7F7F0000).view(np.float32))
 BF16_ROUNDS_TO_INF = float(np.uint32(0x7F7F8000).view(np.float32))
 F16_MAX, F16_ROUNDS_TO_INF = 65504.0, 65520.0
+# the float64 magnitude from which a value rounds to inf in float32 (2^128 - 2^103)
+F32_ROUNDS_TO_INF = 2.0 ** 128 - 2.0 ** 103
 
 
 def largest_beyond(x: np.ndarray, limit: float) -> float | None:

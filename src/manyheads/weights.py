@@ -294,8 +294,9 @@ def weight_format(w: Any) -> str:
 
 def check_storable(a: np.ndarray, dtype: str, what: str = "w") -> None:
     """ValueError where ``a`` stored as ``dtype`` would not stand for it: a finite value
-    that rounds to inf in float16 or bfloat16, or (int8) a value that is not finite,
-    whose scale would make every value of its column (or group) NaN."""
+    that rounds to inf in float16 or bfloat16, or (int8) a value that is not finite or
+    (float64) beyond float32's range, whose float32 scale would make every value of its
+    column (or group) NaN."""
     if a.dtype.name == dtype:
         return
     if dtype in ("float16", "bfloat16"):
@@ -310,6 +311,12 @@ def check_storable(a: np.ndarray, dtype: str, what: str = "w") -> None:
         raise ValueError(f"an int8 weight needs finite values (a NaN or inf would make its "
                          f"column's scale, and every value of the column, NaN), and {what} "
                          f"holds {a[~np.isfinite(a)].flat[0]}; keep it in a float format")
+    elif dtype == "int8" and a.dtype.itemsize > 4:
+        mag = _formats.largest_beyond(a, _formats.F32_ROUNDS_TO_INF)
+        if mag is not None:
+            raise ValueError(f"an int8 weight's scales are float32, and {what} has a value of "
+                             f"{mag:.6g}, beyond float32's range (its column's scale, and "
+                             f"every value of the column, would be NaN); scale it down")
 
 
 def convert_weight(w: Any, dtype: str, group_size: int | None = None) -> Any:
