@@ -393,3 +393,32 @@ def test_loading_a_model_loads_the_blas_its_prefill_uses(llama_dir):
     res = _run(code, str(llama_dir))
     assert res.returncode == 0, res.stderr
     assert "loaded before: False after: True" in res.stdout
+
+
+def test_a_step_that_fails_part_way_takes_its_tokens_back_from_every_layer(tmp_path):
+    # a value of layer 1 that a float16 cache cannot hold fails the step after layer 0
+    # stored its token: layer 0 takes it back, so the caches still agree and go on as if
+    # the step had not been tried
+    model = from_pretrained(save_random_checkpoint(tmp_path / "m", "llama", seed=2))
+    attn = model.blocks[1].attn
+    kv = (attn.num_heads + attn.num_kv_heads) * attn.head_dim  # the values' columns
+    ids = np.array([[5, 17, 3, 9]])
+    ref_caches = model.new_caches(1, 8, np.float16)
+    ref = [model.logits(ids[:, :3], caches=ref_caches, last_only=True),
+           model.logits(ids[:, 3:], caches=ref_caches, last_only=True)]
+    caches = model.new_caches(1, 8, np.float16)
+    model.logits(ids[:, :3], caches=caches, last_only=True)
+    saved = attn.W_qkv
+    W = saved.copy()
+    W[:, kv:] *= 1e6
+    attn.W_qkv = W
+    for step in (ids[:, 3:], ids[:, :2]):  # a decoding step, then a prefill of two tokens
+        with pytest.raises(ValueError, match="float16 cache holds values up to 65504"):
+            model.logits(step, caches=caches, last_only=True)
+        assert [len(c) for c in caches] == [3] * model.num_layers
+    attn.W_qkv = saved
+    np.testing.assert_array_equal(model.logits(ids[:, 3:], caches=caches, last_only=True),
+                                  ref[1])
+    caches[0].truncate(2)  # layers that disagree are refused, not run
+    with pytest.raises(ValueError, match=r"caches must hold the same tokens .* \[2, 4\]"):
+        model.logits(ids[:, 3:], caches=caches)

@@ -287,8 +287,32 @@ class DecoderModel:
             raise ValueError(f"caches were made for batch_size={caches[0].batch_size}, but "
                              f"ids have batch size {arr.shape[0]}")
         past = 0 if caches is None else len(caches[0])
+        if caches is not None and any(len(c) != past for c in caches):
+            raise ValueError(f"caches must hold the same tokens in every layer, but they "
+                             f"hold {sorted({len(c) for c in caches})} (a step that failed "
+                             f"part-way leaves them so where a sliding-window cache had "
+                             f"wrapped around and could not take its token back): reset them")
         self._check_room(past, arr.shape[1])
         pad = self._check_mask(attention_mask, arr.shape, past)
+        if caches is None:
+            return self._hidden(arr, pad, None, stop_at)
+        try:
+            return self._hidden(arr, pad, caches, stop_at)
+        except BaseException:
+            # a step that fails part-way (a value a float16 cache cannot hold, Ctrl-C)
+            # has stored its tokens in the layers before: take them back, so that every
+            # layer holds the same tokens (a wrapped ring cannot: the check above)
+            for c in caches:
+                if len(c) > past:
+                    try:
+                        c.truncate(past)
+                    except ValueError:
+                        pass
+            raise
+
+    def _hidden(self, arr: np.ndarray, pad: np.ndarray | None, caches: list[KVCache] | None,
+                stop_at: int | None) -> tuple[np.ndarray, np.ndarray | None]:
+        """:meth:`hidden_states` of checked ids, padding and caches."""
         x = self._embed(arr, self._positions(caches, pad, arr.shape)
                         if self.learned_positions else None)
         if caches is not None and arr.shape[1] == 1 and pad is None:
@@ -354,7 +378,8 @@ class DecoderModel:
         ids : int array (B, T) or (T,)
             The prompts; a batch of different lengths is left-padded and
             described by ``attention_mask`` (each row then generates exactly what
-            it would alone, when greedy).
+            it would alone, when greedy, with float32 caches; with narrower ones
+            within their rounding, see the guide's Padding section).
         max_new_tokens : int
             Tokens to generate per row; prompt plus new tokens must fit the
             context length.
