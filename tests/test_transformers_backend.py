@@ -247,6 +247,46 @@ def test_cache_tensors_are_read_in_place(cache_kind, name, kernel_calls, monkeyp
         assert k.shape[2] == (64 if cache_kind == "static" else PROMPT + 1)
 
 
+def _bidirectional_window_model():
+    cfg = transformers.ModernBertConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=96,
+                                        num_hidden_layers=2, num_attention_heads=4,
+                                        local_attention=4, global_attn_every_n_layers=2,
+                                        max_position_embeddings=64, pad_token_id=PAD,
+                                        bos_token_id=1, eos_token_id=2, cls_token_id=1,
+                                        sep_token_id=2)
+    cfg._attn_implementation = "eager"
+    return transformers.ModernBertModel(cfg)
+
+
+def _chunked_model():
+    cfg = transformers.Llama4TextConfig(**{**COMMON, "intermediate_size_mlp": 96}, head_dim=16,
+                                        attention_chunk_size=4, num_local_experts=2,
+                                        num_experts_per_tok=1)
+    cfg._attn_implementation = "eager"
+    return transformers.Llama4ForCausalLM(cfg)
+
+
+@pytest.mark.parametrize("build", [_bidirectional_window_model, _chunked_model],
+                         ids=["modernbert-local-window", "llama4-chunks"])
+def test_local_patterns_other_than_a_causal_window_keep_their_mask(build, name):
+    # transformers names the span of a bidirectional window and of attention chunks as it
+    # names a sliding window's; they are no causal window, so they keep their masks
+    torch.manual_seed(0)
+    eager = build().eval()
+    ours = copy.deepcopy(eager)
+    ours.set_attn_implementation(name)
+    ids = torch.randint(3, VOCAB, (2, 16))
+    mask = torch.ones_like(ids)
+    mask[1, :PADDING] = 0
+    with torch.no_grad():
+        for kw in ({}, {"attention_mask": mask}):
+            want, got = (m(ids, **kw) for m in (eager, ours))
+            if hasattr(want, "logits"):
+                assert_logits_close(want.logits, got.logits)
+            else:
+                assert_logits_close(want.last_hidden_state, got.last_hidden_state)
+
+
 def test_a_forward_that_needs_gradients_raises(name):
     _, ours = pair("llama", name)
     ids, _ = left_padded_batch()

@@ -82,10 +82,35 @@ def _mask(*args: Any, local_size: int | None = None, **kwargs: Any) -> Any:
     ``sdpa_mask`` skips the mask for causal patterns only when the layer has
     no window the keys reach beyond (``local_size``); without ``local_size``
     it skips it in the same cases for sliding layers too, and still builds the
-    sliding mask wherever a mask is needed."""
+    sliding mask wherever a mask is needed.  ``local_size`` is dropped only for
+    a causal sliding window: transformers gives it for other patterns too
+    (ModernBERT's bidirectional window, Llama 4's chunks), which the kernels'
+    window does not describe, so those keep their mask."""
     from transformers.masking_utils import sdpa_mask
 
+    if local_size is not None and not _causal_window(kwargs.get("mask_function"), local_size):
+        kwargs["local_size"] = local_size
     return sdpa_mask(*args, **kwargs)
+
+
+def _causal_window(mask_function: Any, w: int) -> bool:
+    """Whether ``mask_function`` (batch, head, query, key -> may attend) lets query q see
+    exactly the keys q - w < k <= q, probed around the window's edges and a chunk's
+    (anything the probe cannot evaluate counts as another pattern)."""
+    import torch
+
+    if mask_function is None:
+        return False
+    zero = torch.tensor(0)
+    try:
+        for q in {w - 1, w, 2 * w, 2 * w + 1}:
+            for k in {0, 1, w - 1, w, w + 1, q - 1, q, q + 1}:
+                if k >= 0 and bool(mask_function(zero, zero, torch.tensor(q), torch.tensor(k))) \
+                        != (q - w < k <= q):
+                    return False
+    except Exception:  # (a pattern that reads other tensors at these positions)
+        return False
+    return True
 
 
 def attention_forward(module: Any, query: Any, key: Any, value: Any, attention_mask: Any,
