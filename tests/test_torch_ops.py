@@ -200,6 +200,24 @@ def test_a_call_that_needs_a_gradient_raises():
     assert_close(out, reference(q.detach(), k, v))
 
 
+@pytest.mark.parametrize("sinks", [False, True])
+def test_a_compiled_call_that_needs_a_gradient_raises_not_drops_it(sinks):
+    # a traced call skips the eager check: the operators' registered backward raises when
+    # the graph needs a gradient, where the inputs' gradients were silently left empty
+    q, k, v = tensors((1, 2, 5, 8), (1, 2, 5, 8), (1, 2, 5, 8))
+    s = torch.zeros(2, requires_grad=sinks)
+    q.requires_grad_(not sinks)
+
+    def f(q, k, v, s):
+        return mht.scaled_dot_product_attention(q, k, v, is_causal=True, sinks=s)
+
+    compiled = torch.compile(f, backend="aot_eager", fullgraph=True)
+    with pytest.raises(Exception, match="no backward pass"):
+        compiled(q, k, v, s).sum().backward()
+    with torch.no_grad():  # without a gradient the compiled call runs
+        assert_close(compiled(q, k, v, s), f(q.detach(), k, v, s.detach()))
+
+
 def test_sinks_that_require_grad_count_as_needing_a_gradient():
     q, k, v = tensors((1, 2, 5, 8), (1, 2, 5, 8), (1, 2, 5, 8))
     sinks = torch.zeros(2, requires_grad=True)

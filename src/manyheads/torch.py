@@ -220,10 +220,12 @@ def _heads_batch(q: tuple[int, ...], k: tuple[int, ...], v: tuple[int, ...], gqa
 
 # ---- the torch.library operators ------------------------------------------------------
 
+# (every tensor before the keyword-only arguments, as torch.library.register_autograd
+# requires; callers name sinks and alibi_slopes)
 _ARGS = ("(Tensor query, Tensor key, Tensor value, Tensor? attn_mask=None, "
          "float dropout_p=0.0, bool is_causal=False, float? scale=None, "
-         "bool enable_gqa=False, *, float? softcap=None, Tensor? sinks=None, "
-         "Tensor? alibi_slopes=None, int? window=None, bool transpose_out=False, "
+         "bool enable_gqa=False, Tensor? sinks=None, Tensor? alibi_slopes=None, *, "
+         "float? softcap=None, int? window=None, bool transpose_out=False, "
          "int? num_threads=None)")
 
 _LIB = torch.library.Library("manyheads", "DEF")
@@ -249,9 +251,9 @@ def _kernel(return_lse: bool) -> Any:
     arguments of the schema arrive as keywords)."""
     def kernel(query: Any, key: Any, value: Any, attn_mask: Any = None, dropout_p: float = 0.0,
                is_causal: bool = False, scale: float | None = None, enable_gqa: bool = False,
-               **kw: Any) -> Any:
+               sinks: Any = None, alibi_slopes: Any = None, **kw: Any) -> Any:
         return _forward(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
-                        kw.get("softcap"), kw.get("sinks"), kw.get("alibi_slopes"), return_lse,
+                        kw.get("softcap"), sinks, alibi_slopes, return_lse,
                         kw.get("transpose_out", False), kw.get("window"), kw.get("num_threads"))
     return kernel
 
@@ -261,7 +263,7 @@ def _fake(return_lse: bool) -> Any:
     log-sum-exp's) shape."""
     def fake(query: Any, key: Any, value: Any, attn_mask: Any = None, dropout_p: float = 0.0,
              is_causal: bool = False, scale: float | None = None, enable_gqa: bool = False,
-             **kw: Any) -> Any:
+             sinks: Any = None, alibi_slopes: Any = None, **kw: Any) -> Any:
         out, lse = _fake_shapes(query, key, value, enable_gqa, kw.get("transpose_out", False))
         if return_lse:
             return query.new_empty(out), query.new_empty(lse, dtype=torch.float32)
@@ -269,10 +271,22 @@ def _fake(return_lse: bool) -> Any:
     return fake
 
 
+def _no_backward(*_: Any, **__: Any) -> Any:
+    """The operators' autograd: there is no backward.  torch calls this (as the setup of
+    a backward) for a call that needs a gradient, on the operators directly or in a graph
+    torch.compile traces, where the check of :func:`scaled_dot_product_attention` does not
+    run: it raises there, where the inputs' gradients were silently left empty."""
+    raise NotImplementedError(
+        "manyheads.torch has no backward pass, and an input requires grad: call it "
+        "under torch.no_grad() or torch.inference_mode(), or pass detached tensors")
+
+
 for _name, _lse in (("scaled_dot_product_attention", False),
                     ("scaled_dot_product_attention_lse", True)):
     _LIB.impl(_name, _kernel(_lse), "CPU")
     torch.library.register_fake("manyheads::" + _name, _fake(_lse))
+    torch.library.register_autograd("manyheads::" + _name, _no_backward,
+                                    setup_context=_no_backward)
 
 
 def _eager(query: Any) -> bool:
