@@ -305,6 +305,22 @@ def test_a_tiny_temperature_keeps_the_largest_logits_and_their_ties():
         assert set(draws.tolist()) == {1, 2} and abs((draws == 1).mean() - 0.5) < 0.05
 
 
+def test_other_temperatures_divide_as_transformers_does_even_beside_minus_inf():
+    # a logit already -inf (a banned token) is no overflow: the quotients stay float32's
+    logits = np.array([[1.5, -np.inf, 0.25, 3.0], [2.0, 1.0, -1.0, 0.5]], dtype=np.float32)
+    for t in (0.7, 0.1, 2.5):
+        out = process_logits(logits, check_sampling(True, temperature=t), None)
+        assert np.array_equal(out, logits / np.float32(t))
+
+
+def test_a_seed_may_be_a_sequence_of_ints_as_numpy_takes_it(model):
+    ids = np.array([[3, 1, 4]])
+    a = model.generate(ids, 6, do_sample=True, seed=[1, 2])
+    assert np.array_equal(a, model.generate(ids, 6, do_sample=True, seed=[1, 2]))
+    with pytest.raises(ValueError, match="seed must be an int >= 0"):
+        model.generate(ids, 2, do_sample=True, seed=[1, -2])
+
+
 def test_wrong_argument_types_are_type_errors_that_name_them(model):
     calls = []
     for kw, message in [(dict(max_new_tokens=None), "max_new_tokens must be a non-negative int"),

@@ -142,3 +142,15 @@ def test_arrays_in_the_other_byte_order_are_refused_not_misread(dtype):
         m = mh.MultiHeadAttention(8, 8, 3, 0.0, 2, dtype=dt)
         with pytest.raises(TypeError, match="not in the machine's byte order"):
             m(x.astype(swapped))
+
+
+@pytest.mark.parametrize("dtype", ["float16", "float32"])
+def test_a_float_mask_in_the_other_byte_order_is_converted(dtype):
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((2, 5, 8)).astype(np.float32)
+    mask = np.where(rng.random((5, 5)) > 0.3, 0.0, -np.inf).astype(dtype)
+    mask[:, 0] = 0.0
+    want = mh.scaled_dot_product_attention(x, x, x, attn_mask=mask)
+    swapped = mask.astype(mask.dtype.newbyteorder("S"))
+    np.testing.assert_array_equal(mh.scaled_dot_product_attention(x, x, x, attn_mask=swapped),
+                                  want)

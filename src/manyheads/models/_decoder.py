@@ -289,9 +289,9 @@ class DecoderModel:
         past = 0 if caches is None else len(caches[0])
         if caches is not None and any(len(c) != past for c in caches):
             raise ValueError(f"caches must hold the same tokens in every layer, but they "
-                             f"hold {sorted({len(c) for c in caches})} (a step that failed "
-                             f"part-way leaves them so where a sliding-window cache had "
-                             f"wrapped around and could not take its token back): reset them")
+                             f"hold {sorted({len(c) for c in caches})} (as a call with stop_at "
+                             f"leaves them, or a step that failed part-way where a "
+                             f"sliding-window cache could not take its token back): reset them")
         self._check_room(past, arr.shape[1])
         pad = self._check_mask(attention_mask, arr.shape, past)
         if caches is None:
@@ -301,13 +301,12 @@ class DecoderModel:
         except BaseException:
             # a step that fails part-way (a value a float16 cache cannot hold, Ctrl-C)
             # has stored its tokens in the layers before: take them back, so that every
-            # layer holds the same tokens (a wrapped ring cannot: the check above)
-            for c in caches:
-                if len(c) > past:
-                    try:
-                        c.truncate(past)
-                    except ValueError:
-                        pass
+            # layer holds the same tokens; unless a wrapped sliding-window cache cannot
+            # (then as they are: the check above refuses them if they differ)
+            ahead = [c for c in caches if len(c) > past]
+            if all(len(c) <= c.capacity for c in ahead):
+                for c in ahead:
+                    c.truncate(past)
             raise
 
     def _hidden(self, arr: np.ndarray, pad: np.ndarray | None, caches: list[KVCache] | None,

@@ -41,8 +41,6 @@ import numpy as np
 
 __all__ = ["Sampling", "check_sampling", "check_seed", "process_logits", "choose", "softmax"]
 
-# the largest quotient logit / temperature kept as it is (float32's largest is 3.4e38)
-_QUOTIENT_LIMIT = 1e38
 _FLOAT32_TINY = float(np.finfo(np.float32).tiny)  # the smallest normal float32
 
 
@@ -104,16 +102,17 @@ def check_sampling(do_sample: bool = False, temperature: float = 1.0, top_k: int
 
 
 def check_seed(seed: Any) -> None:
-    """Refuse a ``seed`` that is none of None, an int >= 0, or a NumPy
-    ``Generator`` (or ``BitGenerator``, ``SeedSequence``): TypeError or ValueError
-    naming it."""
+    """Refuse a ``seed`` that is none of None, an int >= 0 (or a sequence of them, as
+    ``numpy.random.default_rng`` takes), or a NumPy ``Generator`` (or
+    ``BitGenerator``, ``SeedSequence``): TypeError or ValueError naming it."""
     if seed is None or isinstance(seed, (np.random.Generator, np.random.BitGenerator,
                                          np.random.SeedSequence)):
         return
-    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
+    ints = list(seed) if isinstance(seed, (list, tuple)) and seed else [seed]
+    if any(isinstance(s, bool) or not isinstance(s, (int, np.integer)) for s in ints):
         raise TypeError(f"seed must be an int >= 0, a numpy.random.Generator or None, "
                         f"got {seed!r}")
-    if seed < 0:
+    if any(s < 0 for s in ints):
         raise ValueError(f"seed must be an int >= 0, a numpy.random.Generator or None, "
                          f"got {seed!r}")
 
@@ -167,15 +166,20 @@ def process_logits(logits: np.ndarray, settings: Sampling,
     if not settings.do_sample:
         return x
     t = settings.temperature
-    if t != 1.0:
-        peak = float(np.abs(x).max()) if x.size else 0.0
-        if t >= _FLOAT32_TINY and peak <= t * _QUOTIENT_LIMIT:
-            x /= np.float32(t)  # as transformers divides
-        else:
-            # the quotients would overflow float32 (or t is no normal float32): each
-            # row less its largest logit, divided in float64, the same softmax; the
-            # best token gets 0, what overflows is -inf (probability 0 either way)
+    if t > 1.0:
+        x /= np.float32(t)  # as transformers divides
+    elif t < 1.0:
+        q = None
+        if t >= _FLOAT32_TINY:
             with np.errstate(over="ignore"):
+                q = x / np.float32(t)
+        if q is not None and not (np.isinf(q) & np.isfinite(x)).any():
+            x = q
+        else:
+            # the quotients overflow float32 (or t is no normal float32): each row less
+            # its largest logit, divided in float64, the same softmax; the best token
+            # gets 0, what overflows is -inf (probability 0 either way)
+            with np.errstate(over="ignore", invalid="ignore"):
                 shifted = x.astype(np.float64) - x.max(axis=-1, keepdims=True)
                 x = (shifted / t).astype(np.float32)
     neg_inf = np.float32(-np.inf)
