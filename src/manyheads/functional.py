@@ -31,7 +31,8 @@ def _check_mask(attn_mask: Any, dtype: np.dtype) -> np.ndarray:
     mask = attn_mask if isinstance(attn_mask, np.ndarray) else np.asarray(attn_mask)
     if mask.dtype == np.bool_:
         return mask
-    native = mask.dtype.newbyteorder("=")  # (a mask in the other byte order: astype converts it)
+    # (a mask in the other byte order: astype converts it)
+    native = mask.dtype if mask.dtype.isnative else mask.dtype.newbyteorder("=")
     if not (native in FLOAT_DTYPES or is_half(native)):
         raise TypeError(
             f"attn_mask has dtype {mask.dtype}; expected bool (True = may attend) "

@@ -280,18 +280,7 @@ class DecoderModel:
         """The residual stream (B, T, d_model) after the blocks before ``stop_at`` (all by
         default), and the padding mask (True = pad) or None."""
         arr = self._check_ids(ids)
-        if caches is not None and len(caches) != self.num_layers:
-            raise ValueError(f"caches must be a list of {self.num_layers} KVCache "
-                             f"(model.new_caches()), got {len(caches)}")
-        if caches is not None and caches[0].batch_size != arr.shape[0]:
-            raise ValueError(f"caches were made for batch_size={caches[0].batch_size}, but "
-                             f"ids have batch size {arr.shape[0]}")
-        past = 0 if caches is None else len(caches[0])
-        if caches is not None and any(len(c) != past for c in caches):
-            raise ValueError(f"caches must hold the same tokens in every layer, but they "
-                             f"hold {sorted({len(c) for c in caches})} (as a call with stop_at "
-                             f"leaves them, or a step that failed part-way where a "
-                             f"sliding-window cache could not take its token back): reset them")
+        past = 0 if caches is None else self._check_caches(caches, arr.shape[0])
         self._check_room(past, arr.shape[1])
         pad = self._check_mask(attention_mask, arr.shape, past)
         if caches is None:
@@ -494,17 +483,30 @@ class DecoderModel:
                 logits = self.logits(tok[:, None], caches=caches, last_only=True)
         return out
 
-    def _check_generate_caches(self, caches: Any, batch: int, prompt: int, new: int) -> None:
-        """Refuse caches that ``generate`` could not fill: not ``num_layers`` empty
-        KVCaches, made for another batch size, or too short for the prompt and the new
-        tokens."""
+    def _check_caches(self, caches: Any, batch: int) -> int:
+        """The tokens every layer's cache holds; ValueError for caches that are not
+        ``num_layers`` KVCaches made for ``batch`` rows and holding the same tokens."""
         if not isinstance(caches, (list, tuple)) or len(caches) != self.num_layers or \
-                not all(isinstance(c, KVCache) for c in caches) or any(len(c) for c in caches):
-            raise ValueError(f"caches must be {self.num_layers} empty caches from new_caches()")
+                not all(isinstance(c, KVCache) for c in caches):
+            raise ValueError(f"caches must be a list of {self.num_layers} KVCache "
+                             f"(model.new_caches())")
         other = [c.batch_size for c in caches if c.batch_size != batch]
         if other:
             raise ValueError(f"caches were made for batch_size={other[0]}, but ids have "
                              f"batch size {batch}")
+        past = len(caches[0])
+        if any(len(c) != past for c in caches):
+            raise ValueError(f"caches must hold the same tokens in every layer, but they "
+                             f"hold {sorted({len(c) for c in caches})} (as a call with stop_at "
+                             f"leaves them, or a step that failed part-way where a "
+                             f"sliding-window cache could not take its token back): reset them")
+        return past
+
+    def _check_generate_caches(self, caches: Any, batch: int, prompt: int, new: int) -> None:
+        """Refuse caches that ``generate`` could not fill (:meth:`_check_caches`, not
+        empty, or too short for the prompt and the new tokens)."""
+        if self._check_caches(caches, batch):
+            raise ValueError(f"caches must be {self.num_layers} empty caches from new_caches()")
         room = min(c.max_len for c in caches)
         if room < prompt + new:
             raise ValueError(f"caches hold {room} tokens (max_len={room}), fewer than the "
