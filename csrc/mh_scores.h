@@ -22,9 +22,10 @@ static inline double mh_head_value(const mh_attn_args *a, const mh_operand *op, 
 /* tanh(x) per lane, to a few units of T's epsilon relative to it; NaN stays NaN.
    Near 0 (|x| below 0.5 in float, 0.15 in double) its series to x^15, whose next
    term is below T's epsilon there; elsewhere 2 / (1 + e^(-2x)) - 1, exact at the
-   ends (+-1) and within several epsilon of tanh from those thresholds on.  (That formula alone kept only an absolute precision near 0: a cap c
-   far above the scores changed each by about c epsilon, and from about 1e8 made
-   every float32 score 0.)  The clamp keeps e^(-2x) finite where tanh is -1. */
+   ends (+-1) and within several epsilon of tanh from those thresholds on.  (That
+   formula alone kept only an absolute precision near 0: a cap c far above the
+   scores changed each by about c epsilon, and from about 1e8 made every float32
+   score 0.)  The clamp keeps e^(-2x) finite where tanh is -1. */
 MH_INLINE V FN(tanh)(V x)
 {
     const V lo = V_SET1((T)(sizeof(T) == sizeof(float) ? -40 : -300));
