@@ -352,3 +352,20 @@ def test_caches_that_cannot_hold_the_generation_are_refused_before_it_starts(mod
     with pytest.raises(ValueError, match="caches were made for batch_size=2, but ids have "
                                          "batch size 3"):
         model.logits(np.ones((3, 2), dtype=int), caches=wide)
+
+
+def test_a_cache_dtype_is_checked_and_must_agree_with_caches_given_beside_it(model):
+    calls = []
+    cb = lambda *a: calls.append(a)  # noqa: E731
+    caches = model.new_caches(1, 16, np.float16)
+    with pytest.raises(ValueError, match="cache_dtype=int8 does not match the caches given "
+                                         r"\(float16\): pass cache_dtype or caches, not both"):
+        model.generate([[3, 1, 4]], 4, caches=caches, cache_dtype="int8", callback=cb)
+    assert calls == [] and all(len(c) == 0 for c in caches)
+    # an unknown dtype is refused even when nothing would be generated
+    for n in (0, 3):
+        with pytest.raises(TypeError, match="cache dtype must be one of"):
+            model.generate([[3, 1, 4]], n, cache_dtype="int3", callback=cb)
+    assert calls == []
+    same = model.generate([[3, 1, 4]], 4, caches=caches, cache_dtype=np.float16)
+    np.testing.assert_array_equal(same, model.generate([[3, 1, 4]], 4, cache_dtype="float16"))

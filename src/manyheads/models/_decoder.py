@@ -23,7 +23,7 @@ from typing import Any, Callable, Protocol, Sequence
 
 import numpy as np
 
-from .. import _config, _core, _kernels
+from .. import _config, _core, _formats, _kernels
 from ..cache import KVCache
 from ..modules import MultiHeadAttention
 from ..weights import gather_columns, weight_format
@@ -373,7 +373,7 @@ class DecoderModel:
             context length.
         cache_dtype : optional
             Storage type of the KV caches, passed to :meth:`manyheads.KVCache`
-            (default: float32).
+            (default: float32).  Beside ``caches``, it must be their format.
         attention_mask : array (B, T) of 0/1, optional
             1 = token, 0 = left padding (Hugging Face's convention).
         eos_token_id : int or list of int, optional
@@ -446,8 +446,12 @@ class DecoderModel:
             raise ValueError("stop strings need pad_token_id (or eos_token_id): the id that "
                              "fills a row after it ends")
         check_seed(seed)
+        fmt = None if cache_dtype is None else _formats.cache_format(cache_dtype)
         if caches is not None:
             self._check_generate_caches(caches, B, T, n)
+            if fmt is not None and any(c.format != fmt.name for c in caches):
+                raise ValueError(f"cache_dtype={fmt.name} does not match the caches given "
+                                 f"({caches[0].format}): pass cache_dtype or caches, not both")
         rng = np.random.default_rng(seed) if settings.do_sample else None
         out = np.empty((B, n), dtype=np.int64)
         if n == 0:
