@@ -63,6 +63,10 @@ FAMILIES = list(CONFIGS)
 # transformers' own step-by-step generate) is comparable, not a cached prefill against
 # one full pass.
 STATIC = [f for f in FAMILIES if f != "llama-dynamic"]
+# (not a family of its own: for the padded rows of a sliding window's ring below)
+CONFIGS["mistral-dynamic"] = lambda: transformers.MistralConfig(
+    **{**COMMON, **WIDE, "max_position_embeddings": 48}, sliding_window=8,
+    rope_parameters=dict(rope_type="dynamic", factor=3.0, rope_theta=10000.0))
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -155,6 +159,32 @@ def test_left_padded_batch_matches_transformers(pair):
     lg = model.logits(ids, attention_mask=mask)
     for i, p in enumerate(prompts):
         assert_logits_close(lg[i:i + 1, ids.shape[1] - len(p):], hf_logits(hf, p[None]))
+
+
+@pytest.mark.parametrize("family", ["llama-dynamic", "mistral-dynamic"])
+def test_dynamic_rotary_in_a_left_padded_batch_counts_positions_as_transformers(family,
+                                                                                tmp_path):
+    """transformers' generate counts each row's positions from its attention mask.  A
+    shift of a row's positions cancels in its scores while the frequencies stay; past
+    max_position_embeddings (48) dynamic scaling changes them at every step, and the
+    keys cached at earlier steps keep theirs, so the shift shows there.  Mistral's
+    window of 8 keeps a ring whose prefill has already overwritten the padding."""
+    build(family, tmp_path)
+    model = from_pretrained(tmp_path)
+    _, ids, mask = left_padded((40, 22, 31))
+    n = 20  # to 60 slots
+    with torch.no_grad():
+        out = fresh_hf(tmp_path).generate(
+            torch.from_numpy(ids), attention_mask=torch.from_numpy(mask), max_new_tokens=n,
+            min_new_tokens=n, do_sample=False, pad_token_id=0, output_logits=True,
+            return_dict_in_generate=True)
+    tokens = out.sequences[:, ids.shape[1]:].numpy()
+    ref = np.stack([step.float().numpy() for step in out.logits], axis=1)
+    caches = model.new_caches(3, ids.shape[1] + n)
+    ours = [model.logits(ids, attention_mask=mask, caches=caches, last_only=True)]
+    ours += [model.logits(tokens[:, t:t + 1], caches=caches) for t in range(n - 1)]
+    assert_logits_close(np.concatenate(ours, axis=1), ref)
+    np.testing.assert_array_equal(model.generate(ids, n, attention_mask=mask), tokens)
 
 
 @pytest.mark.parametrize("family", ["mistral", "qwen3", "gemma2", "gemma3", "phi3",

@@ -180,6 +180,8 @@ class KVCache:
         # included: a step that writes padding sets it first (CacheStep.attend), so a
         # decoding step without padding need not clear its new slot
         self._any_padding = False
+        # each row's padding tokens, those a wrapped ring has overwritten included
+        self._padded = np.zeros(self.batch_size, dtype=np.intp)
         self._busy = threading.Lock()
         # the last decoding steps' attention calls, for the next token (_decode_into)
         self._calls: dict[Any, tuple[Any, tuple[Any, ...]]] = {}
@@ -218,6 +220,7 @@ class KVCache:
             self._len = 0
             self.padding[:] = False
             self._any_padding = False
+            self._padded[:] = 0
 
     def truncate(self, n: int) -> None:
         """Roll back to the first ``n`` tokens (speculative decoding, beam search).
@@ -236,7 +239,10 @@ class KVCache:
             self._len = n
             if self._any_padding:  # (else no slot is padding: nothing to clear or look at)
                 self.padding[:, n:] = False
-                self._any_padding = bool(self.padding[:, :n].any())
+                if self._len <= self.capacity:  # (a wrapped ring keeps its count: n = len)
+                    self._padded = self.padding[:, :n].sum(axis=1, dtype=np.intp)
+                # (padding overwritten by a ring still counts: rows' positions then differ)
+                self._any_padding = bool(self.padding[:, :n].any() or self._padded.any())
 
     def copy(self) -> KVCache:
         """An independent cache with the same tokens (to branch decoding from one prompt)."""
@@ -268,6 +274,8 @@ class KVCache:
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
+        if "_padded" not in state:  # (a cache pickled before it was kept)
+            self._padded = self.padding.sum(axis=1, dtype=np.intp)
         self._busy = threading.Lock()
         self._calls = {}
 
@@ -559,6 +567,7 @@ class CacheStep:
                 c._len += self.new_tokens
                 if self.pad_new is not None and self.pad_new.any():
                     c._any_padding = True
+                    c._padded += self.pad_new.sum(axis=1, dtype=np.intp)
         finally:
             c._busy.release()
 

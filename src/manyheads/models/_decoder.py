@@ -268,7 +268,7 @@ class DecoderModel:
             start = np.zeros((B, 1), dtype=np.intp)
         else:
             c = caches[0]
-            start = (len(c) - c.padding[:, :len(c)].sum(axis=1)).astype(np.intp)[:, None]
+            start = (len(c) - c._padded)[:, None]
         if pad is None:
             return start + np.arange(T, dtype=np.intp)[None, :]
         counted = np.cumsum(~pad, axis=1, dtype=np.intp) - 1

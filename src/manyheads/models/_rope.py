@@ -140,7 +140,7 @@ class Rotary:
         elif self.kind == "yarn":
             inv = self._yarn(exponents, params)
         self.inv_freq = inv.astype(np.float32)
-        self._memo: tuple[tuple[int, int], np.ndarray, np.ndarray] | None = None
+        self._memo: tuple[tuple[int, int, int], np.ndarray, np.ndarray] | None = None
 
     def _llama3(self, inv: np.ndarray, p: dict[str, Any]) -> np.ndarray:
         """Llama 3.1: low frequencies divided by the factor, high ones kept, a smooth
@@ -204,20 +204,24 @@ class Rotary:
         inv: np.ndarray = (base ** -(np.arange(0, d, 2, dtype=np.float64) / d)).astype(np.float32)
         return inv
 
-    def tables(self, start: int, T: int) -> tuple[np.ndarray, np.ndarray]:
+    def tables(self, start: int, T: int, length: int | None = None
+               ) -> tuple[np.ndarray, np.ndarray]:
         """cos and sin (T, dim // 2) float32 of positions start .. start+T-1, times the
-        attention factor; the last call's are kept for the next layer."""
-        if self._memo is None or self._memo[0] != (start, T):
-            inv = self.frequencies(start + T).astype(np.float64)
+        attention factor, at the frequencies of a call reaching ``length`` (default
+        start + T); the last call's are kept for the next layer."""
+        key = (start, T, start + T if length is None else length)
+        if self._memo is None or self._memo[0] != key:
+            inv = self.frequencies(key[2]).astype(np.float64)
             angles = np.arange(start, start + T, dtype=np.float64)[:, None] * inv[None, :]
             cos = (np.cos(angles) * self.attention_factor).astype(np.float32)
             sin = (np.sin(angles) * self.attention_factor).astype(np.float32)
-            self._memo = ((start, T), cos, sin)
+            self._memo = (key, cos, sin)
         return self._memo[1], self._memo[2]
 
-    def apply(self, x: np.ndarray, start: int) -> None:
-        """Rotate x (B, H, T, D) in place, its tokens at positions start, start+1, ..."""
-        cos, sin = self.tables(start, x.shape[-2])
+    def apply(self, x: np.ndarray, start: int, length: int | None = None) -> None:
+        """Rotate x (B, H, T, D) in place, its tokens at positions start, start+1, ...
+        (``length`` as in :meth:`tables`)."""
+        cos, sin = self.tables(start, x.shape[-2], length)
         _core.rotate(x, cos, sin)
 
     def __repr__(self) -> str:

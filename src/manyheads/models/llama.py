@@ -87,14 +87,42 @@ class DecoderAttention(Watched, MultiHeadAttention):
         self.eps = eps
 
     def _rotate(self, q: np.ndarray, k: np.ndarray, step: CacheStep | None) -> None:
-        self._rotate_from(q, k, 0 if step is None else step.start)
+        if step is None:
+            self._rotate_from(q, k, 0)
+        else:
+            self._rotate_from(q, k, step.start, self._padded_slots(step))
 
-    def _rotate_from(self, q: np.ndarray, k: np.ndarray, start: int) -> None:
+    def _padded_slots(self, step: CacheStep) -> np.ndarray | None:
+        """Each row's padded slots (B,) under dynamic scaling (None otherwise, or
+        without padding): the rows' positions then count from their first tokens.
+
+        transformers' ``generate`` counts a row's positions from its attention mask.  A
+        shift of all of a row's positions cancels in its scores as long as the
+        frequencies stay, but dynamic ones change at every step past ``max_position``,
+        and the keys cached earlier keep theirs."""
+        if self.rotary.kind != "dynamic":
+            return None
+        # (left padding: every padded slot comes before the row's tokens)
+        pads = step.cache._padded
+        if step.pad_new is not None:
+            pads = pads + step.pad_new.sum(axis=1, dtype=np.intp)
+        return pads if pads.any() else None
+
+    def _rotate_from(self, q: np.ndarray, k: np.ndarray, start: int,
+                     padded: np.ndarray | None = None) -> None:
         if self.qk_norm is not None:
             q[...] = rms_norm(q, self.qk_norm[0], self.eps)
             k[...] = rms_norm(k, self.qk_norm[1], self.eps)
-        self.rotary.apply(q, start)
-        self.rotary.apply(k, start)
+        if padded is None:
+            self.rotary.apply(q, start)
+            self.rotary.apply(k, start)
+            return
+        # each row from its own first token, at the frequencies of the batch's furthest
+        # position, as transformers' generate does (positions from the mask)
+        length = start + q.shape[-2] - int(padded.min())
+        for b, shift in enumerate(padded.tolist()):
+            self.rotary.apply(q[b:b + 1], start - shift, length)
+            self.rotary.apply(k[b:b + 1], start - shift, length)
 
     def decode(self, h: np.ndarray, cache: KVCache, num_threads: int) -> np.ndarray | None:
         """One decoding step of B (<= FEW_ROWS) tokens h (B, d_model), float32, through
