@@ -187,6 +187,24 @@ def test_dynamic_rotary_in_a_left_padded_batch_counts_positions_as_transformers(
     np.testing.assert_array_equal(model.generate(ids, n, attention_mask=mask), tokens)
 
 
+def test_yarn_runs_to_its_factor_times_the_original_context(tmp_path):
+    """Qwen2.5's long-context setting adds YaRN of factor 4 over its pretrained 32k and
+    leaves max_position_embeddings at 32k: the model is meant to run to 128k."""
+    CONFIGS["llama-yarn-128k"] = lambda: transformers.LlamaConfig(
+        **{**COMMON, "max_position_embeddings": 64}, rope_parameters=dict(YARN))
+    try:
+        hf = build("llama-yarn-128k", tmp_path)
+    finally:
+        del CONFIGS["llama-yarn-128k"]
+    model = from_pretrained(tmp_path)
+    assert model.context_length == 256
+    ids = np.random.default_rng(8).integers(0, VOCAB, size=(2, 150))
+    assert_logits_close(model.logits(ids), hf_logits(hf, ids))
+    np.testing.assert_array_equal(model.generate(ids[:, :30], 70), hf_greedy(hf, ids[:, :30], 70))
+    with pytest.raises(ValueError, match="exceed the model's context length 256"):
+        model.logits(np.zeros((1, 257), dtype=np.int64))
+
+
 @pytest.mark.parametrize("family", ["mistral", "qwen3", "gemma2", "gemma3", "phi3",
                                     "llama-llama3"])
 def test_bfloat16_checkpoint(family, tmp_path):

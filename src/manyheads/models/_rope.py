@@ -130,6 +130,9 @@ class Rotary:
         self.context_length = max_position
         if self.kind == "dynamic":  # NTK scaling is what lets a model run past its length
             self.context_length = int(max_position * self.factor)
+        elif self.kind == "yarn":  # the pretrained context times the factor (Qwen2.5's 128k)
+            old_len = _number(params, "original_max_position_embeddings", max_position)
+            self.context_length = max(max_position, int(old_len * self.factor))
         self.attention_factor = 1.0
         exponents = np.arange(0, self.dim, 2, dtype=np.float64) / self.dim
         inv = self.theta ** -exponents
