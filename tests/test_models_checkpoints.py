@@ -87,6 +87,12 @@ def test_malformed_config_json(llama_dir, tmp_path, text, match):
     ({"rope_scaling": [1, 2]}, "'rope_scaling' must be an object"),
     ({"hidden_act": "relu"}, "hidden_act 'relu' is not supported"),
     ({"intermediate_size": 100}, "has shape .* the config implies"),
+    # (an FP8 checkpoint's values are float8 tensors over scales that only the config's
+    # quantization_config announces: read as floats they would give wrong logits)
+    ({"quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}},
+     r"quantised checkpoints are not supported \(quantization_config with quant_method "
+     r"'fp8'\): use the unquantised checkpoint, and weight_dtype='int8'"),
+    ({"quantization_config": {"quant_method": "gptq", "bits": 4}}, "quant_method 'gptq'"),
 ])
 def test_config_values_are_checked(llama_dir, tmp_path, changes, match):
     d = _copy(llama_dir, tmp_path / "bad")

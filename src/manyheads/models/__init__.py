@@ -112,6 +112,12 @@ def from_pretrained(path: str | os.PathLike[str], *, revision: str | None = None
     if kind not in ARCHITECTURES:
         raise ValueError(f"model_type {kind!r} is not supported; supported: "
                          f"{', '.join(sorted(ARCHITECTURES))}")
+    quant = cfg.get("quantization_config")
+    if quant is not None and kind != "gpt_oss":  # (gpt-oss reads its MXFP4 experts)
+        method = quant.get("quant_method") if isinstance(quant, dict) else quant
+        raise ValueError(f"quantised checkpoints are not supported (quantization_config "
+                         f"with quant_method {method!r}): use the unquantised checkpoint, "
+                         "and weight_dtype='int8' to quantise it at load")
     # the BLAS the prefill's projections use, loaded now: its threads start with it and
     # spin for about 0.1 s, which the loading covers rather than the first prompt (a
     # SmolLM2-shaped float32 model's first 128-token prefill took 260-320 ms against
