@@ -1,5 +1,6 @@
 """Each call's plan, made once before any kernel runs: what mh.explain reports is what
 the call will do (schedule, grouped heads, paths and reads, threads, scratch)."""
+import inspect
 import os
 
 import numpy as np
@@ -198,6 +199,23 @@ def test_explain_checks_its_arguments_as_the_call_does():
         mh.explain(q, q, q, attn_mask=np.ones((4, 4), bool), is_causal=True)
     with pytest.raises(TypeError, match="num_threads"):
         mh.explain(q, q, q, num_threads=1.5)
+    with pytest.raises(ValueError, match="softcap"):
+        mh.explain(q, q, q, softcap=-1.0)
+    with pytest.raises(ValueError, match="sinks"):
+        mh.explain(q, q, q, sinks=np.zeros(3, np.float32))
+
+
+def test_explain_takes_every_argument_of_the_call():
+    """A Gemma 2 or gpt-oss call is explained as written: the score features and the
+    seed change each score's arithmetic, not the plan."""
+    sig = inspect.signature(mh.scaled_dot_product_attention).parameters
+    assert list(inspect.signature(mh.explain).parameters) == list(sig)
+    q, k = zeros(1, 4, 1, 64), zeros(1, 4, 4096, 64)
+    plain = mh.explain(q, k, k, num_threads=2)
+    featured = mh.explain(q, k, k, softcap=30.0, sinks=np.zeros(4, np.float32),
+                          alibi_slopes=np.full(4, 0.5, np.float32), return_lse=True, seed=3,
+                          num_threads=2)
+    assert featured == plain
 
 
 def test_the_plan_reads_in_words():

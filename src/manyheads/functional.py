@@ -264,7 +264,9 @@ def _checked(query: Any, key: Any, value: Any, attn_mask: Any, dropout_p: Any, i
 def explain(
     query: Any, key: Any, value: Any, attn_mask: Any = None, dropout_p: float = 0.0,
     is_causal: bool = False, scale: float | None = None, enable_gqa: bool = False, *,
-    return_weights: bool = False, num_threads: int | None = None,
+    softcap: float | None = None, sinks: Any = None, alibi_slopes: Any = None,
+    return_lse: bool = False, return_weights: bool = False, seed: Any = None,
+    num_threads: int | None = None,
 ) -> CallPlan:
     """What :func:`scaled_dot_product_attention` would do with these arguments.
 
@@ -277,7 +279,10 @@ def explain(
     products) and how it reads the keys and values (in place, copied, or
     widened once per thread), the threads, and the scratch memory.
 
-    Takes the arguments of :func:`scaled_dot_product_attention` (``seed`` aside).
+    Takes the arguments of :func:`scaled_dot_product_attention`, checked as it checks
+    them.  The score features (``softcap``, ``sinks``, ``alibi_slopes``,
+    ``return_lse``) and the dropout ``seed`` change the arithmetic of each score,
+    not the plan.
 
     Returns
     -------
@@ -296,6 +301,9 @@ def explain(
     q, k, v, mask, p, _, _, gqa, rw, nt, _ = _checked(
         query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_weights,
         num_threads)
+    check_score_features(q, softcap, sinks, alibi_slopes, return_lse)
+    if p > 0:
+        seed_value(seed)
     return _core.explain(q, k, v, mask=mask, enable_gqa=gqa, return_weights=rw, dropout_p=p,
                          num_threads=nt)
 
