@@ -68,6 +68,11 @@ def test_functional_rejects_bad_input(kwargs, exc, match):
      "float32 or float64"),
     (lambda: mh.CausalAttention(0, 4, 16), ValueError, "d_in"),
     (lambda: mh.CausalAttention(8, 4, 0), ValueError, "context_length"),
+    # a num_heads in the fifth place would have been taken as qkv_bias=True
+    (lambda: mh.CausalAttention(8, 4, 16, 0.0, 4), TypeError,
+     r"qkv_bias must be a bool, got 4 \(CausalAttention is one head .* no num_heads\)"),
+    (lambda: mh.MultiHeadAttention(8, 12, 16, 0.0, 3, "yes"), TypeError,
+     "qkv_bias must be a bool, got 'yes'$"),
 ])
 def test_constructors_reject_bad_arguments(ctor, exc, match):
     with pytest.raises(exc, match=match):

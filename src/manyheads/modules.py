@@ -117,6 +117,11 @@ class _AttentionModule:
         self.d_out = self.d_in if d_out is None else check_int(d_out, "d_out", 1)
         self.context_length = check_int(context_length, "context_length", 1)
         self.dropout = check_dropout(dropout, "dropout")
+        if not isinstance(qkv_bias, (bool, np.bool_)):
+            one_head = isinstance(self, CausalAttention)
+            raise TypeError(f"qkv_bias must be a bool, got {qkv_bias!r}" + (
+                " (CausalAttention is one head and takes the book's (d_in, d_out, "
+                "context_length, dropout, qkv_bias): no num_heads)" if one_head else ""))
         self.qkv_bias = bool(qkv_bias)
         self.causal = check_bool(causal, "causal")
         self.window = check_optional_int(window, "window", 1)
