@@ -3,6 +3,9 @@ import argparse
 import subprocess
 import sys
 
+import pytest
+
+import manyheads as mh
 from manyheads.__main__ import _time, build_parser
 
 
@@ -91,3 +94,21 @@ def test_the_demo_times_calls_after_the_blas_threads_have_settled():
     calls.clear()
     _time(fn, repeats=5, settle=3600.0)  # never settles: ten calls before the five
     assert len(calls) == 10 + 5
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--dpi", "0"], "--dpi must be a positive number"),
+    (["--out", "no-such-folder/x.png"], "there is no folder"),
+    (["--weights", "no-such-module.npz"], "no-such-module"),
+])
+def test_show_errors_are_one_line(tmp_path, args, message):
+    res = subprocess.run([sys.executable, "-m", "manyheads", "show", *args],
+                         capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    assert res.returncode == 2
+    assert message in res.stderr and "Traceback" not in res.stderr
+
+
+def test_version():
+    res = subprocess.run([sys.executable, "-m", "manyheads", "--version"],
+                         capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0 and res.stdout == f"manyheads {mh.__version__}\n"

@@ -251,3 +251,51 @@ def test_settings_not_given_as_flags_come_from_generation_config(chat_dir, tmp_p
                          )[0].tolist()
     assert res.returncode == 0 and res.stdout == tok.decode(ids + new) + "\n"
     assert "top_k" not in res.stderr
+
+
+@pytest.mark.parametrize("system, expected", [
+    (None, 0), ("many heads", 2)])
+def test_chat_takes_a_template_that_reads_the_first_message(chat_dir, tmp_path, system,
+                                                            expected):
+    """Llama 3's, Qwen2.5's, Mistral's and Gemma's templates look at messages[0]; Gemma's
+    refuses a system message, which only --system gives."""
+    folder = tmp_path / "first"
+    shutil.copytree(chat_dir, folder)
+    gemma_like = ("{% if messages[0]['role'] == 'system' %}"
+                  "{{ raise_exception('System role not supported') }}{% endif %}" + TEMPLATE)
+    with open(folder / "tokenizer_config.json", "w") as f:
+        json.dump({"chat_template": gemma_like, "eos_token": "."}, f)
+    res = cli("chat", "--model", str(folder), "--max-new-tokens", "4",
+              *(["--system", system] if system else []), stdin="the cat sat\n")
+    assert res.returncode == expected, res.stderr
+    if system:
+        assert "System role not supported" in res.stderr and res.stdout == ""
+    else:
+        assert len(res.stdout.splitlines()) == 1 and "Traceback" not in res.stderr
+
+
+def test_chat_reads_bytes_that_are_not_utf8(chat_dir):
+    res = subprocess.run([sys.executable, "-m", "manyheads", "chat", "--model", chat_dir,
+                          "--max-new-tokens", "3"], input=b"the cat \xff sat\n",
+                         capture_output=True, timeout=300)
+    assert res.returncode == 0, res.stderr
+    assert len(res.stdout.splitlines()) == 1
+
+
+def test_ctrl_c_ends_chat_without_a_traceback(chat_dir):
+    import signal
+
+    proc = subprocess.Popen([sys.executable, "-m", "manyheads", "chat", "--model", chat_dir],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        seen = []
+        while not seen or "chat: one message a line" not in seen[-1]:
+            seen.append(proc.stderr.readline())
+            assert seen[-1], "".join(seen)  # (the process ended before it waited for input)
+        proc.send_signal(signal.SIGINT)  # while it waits for a line
+        out, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err

@@ -177,3 +177,63 @@ def test_generate_stops_at_every_end_of_sequence_id(with_tokenizer, tmp_path):
     assert model.eos_token_id == [unused, end]
     out = model.generate(np.array([ids]), 20, eos_token_id=model.eos_token_id)[0].tolist()
     assert out == greedy[:stop] + [unused] * (20 - stop)
+
+
+def test_generate_with_no_new_tokens_prints_the_prompt(with_tokenizer):
+    res = cli("generate", "--model", with_tokenizer, "--prompt", "the cat",
+              "--max-new-tokens", "0")
+    assert res.returncode == 0, res.stderr
+    assert res.stdout == "the cat\n"
+
+
+def test_generate_takes_a_prompt_that_is_not_utf8(with_tokenizer):
+    res = subprocess.run([sys.executable, "-m", "manyheads", "generate", "--model",
+                          with_tokenizer, "--prompt", b"the cat \xff", "--max-new-tokens", "2"],
+                         capture_output=True, timeout=300)
+    assert res.returncode == 0, res.stderr  # (the word-level tokenizer drops U+FFFD)
+    assert res.stdout.startswith(b"the cat ") and b"generated 2 tokens" in res.stderr
+
+
+def test_a_reader_that_goes_away_ends_generate_quietly(with_tokenizer):
+    """As in `generate ... | head -c 5`: here the pipe is closed before anything is
+    written, so that the first write meets it closed whatever the timing."""
+    proc = subprocess.Popen([sys.executable, "-m", "manyheads", "generate", "--model",
+                             with_tokenizer, "--prompt", "the cat", "--max-new-tokens", "8"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc.stdout.close()
+    err = proc.stderr.read()
+    assert proc.wait(timeout=300) == 1
+    assert "Traceback" not in err and "BrokenPipeError" not in err
+
+
+def test_a_corrupt_tokenizer_is_a_one_line_error(with_tokenizer, tmp_path):
+    folder = tmp_path / "badtok"
+    shutil.copytree(with_tokenizer, folder)
+    (folder / "tokenizer.json").write_text("{\n")
+    res = cli("generate", "--model", str(folder), "--prompt", "the cat")
+    assert res.returncode == 2
+    assert "cannot read" in res.stderr and "tokenizer.json" in res.stderr
+    assert "Traceback" not in res.stderr
+
+
+class _Pieces:
+    """A tokenizer whose ids are bytes of UTF-8 text (decode joins them, and an
+    incomplete character decodes to U+FFFD, as byte-level tokenizers do)."""
+
+    def decode(self, ids, skip_special_tokens=True):
+        return bytes(ids).decode("utf-8", "replace")
+
+
+def test_the_stream_writes_a_last_incomplete_character_at_the_end():
+    import io
+
+    from manyheads.__main__ import _Stream
+
+    out = io.StringIO()
+    stream = _Stream(_Pieces(), list(b"ab"), out)
+    text = "c\u00e9\u20ac".encode()  # then the first byte of another euro sign
+    for step, t in enumerate(list(text) + [0xE2]):
+        stream(step, np.array([t]))
+    assert out.getvalue() == "c\u00e9\u20ac"  # held back: it may be completed
+    stream.finish()
+    assert out.getvalue() == "c\u00e9\u20ac\ufffd"  # what decoding every id gives

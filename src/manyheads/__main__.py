@@ -210,12 +210,23 @@ def _load_checkpoint(path: str, revision: str | None = None, weight_dtype: str =
     if os.path.isfile(tok_path):
         from manyheads.models._checkpoint import require_package
 
-        tok = require_package("tokenizers", "reading tokenizer.json").Tokenizer.from_file(tok_path)
+        tokenizers = require_package("tokenizers", "reading tokenizer.json")
+        try:
+            tok = tokenizers.Tokenizer.from_file(tok_path)
+        except Exception as exc:  # (tokenizers raises a bare Exception for a bad file)
+            raise ValueError(f"cannot read {tok_path}: {exc}") from None
     return model, tok, folder
+
+
+def _text(text: str) -> str:
+    """``text`` with the bytes that are not UTF-8 (which Python hands on from the command
+    line or stdin as lone surrogates, and tokenizers refuses) as U+FFFD."""
+    return text.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
 
 
 def _encode(tok: Any, text: str) -> list[int]:
     """Token ids of ``text``: the tokenizer's, or whitespace-separated integers."""
+    text = _text(text)
     if tok is not None:
         return list(tok.encode(text).ids)
     try:
@@ -283,6 +294,22 @@ def _draw(args: argparse.Namespace, w: np.ndarray, tokens: Sequence[Any], labels
 
 
 def cmd_show(args: argparse.Namespace) -> int:
+    folder = os.path.dirname(os.path.abspath(args.out))
+    problem = (f"--dpi must be a positive number of dots per inch, got {args.dpi}"
+               if args.dpi < 1 else
+               f"--out {args.out!r}: there is no folder {folder!r}"
+               if not os.path.isdir(folder) else None)
+    if problem is not None:  # (before anything is computed)
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
+    try:
+        return _show(args)
+    except (OSError, ValueError) as exc:  # a module file that cannot be read, a full disk
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+def _show(args: argparse.Namespace) -> int:
     if args.model:
         return _show_checkpoint(args)
     if args.layer is not None:
@@ -387,7 +414,7 @@ class _Stream:
         self.tok, self.ids, self.out, self.hide = tok, ids, out, set(hide)
         self.new: list[int] = []
         self.stamps: list[float] = []
-        self.shown = ""
+        self.shown = self.pending = ""
         # the text shown is the tokenizer's decoding without special tokens (BOS, EOS)
         self.prompt_text = "" if tok is None else tok.decode(ids, skip_special_tokens=True)
 
@@ -406,10 +433,17 @@ class _Stream:
             # decoded on their own
             text = text[len(self.prompt_text):] if text.startswith(self.prompt_text) else \
                 self.tok.decode(self.new, skip_special_tokens=True)
+            self.pending = text
             if not text.endswith("\ufffd"):  # wait for the rest of a multi-byte character
                 self.out.write(text[len(self.shown):])
                 self.shown = text
         self.out.flush()
+
+    def finish(self) -> None:
+        """Write what a last incomplete character held back (as the tokenizer decodes it)."""
+        if self.pending != self.shown:
+            self.out.write(self.pending[len(self.shown):])
+            self.shown = self.pending
 
 
 def _end_ids(folder: str, model: Any, tok: Any) -> list[int]:
@@ -444,10 +478,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     try:
         model.generate(np.array([ids]), n, eos_token_id=ends or None, callback=stream,
-                       caches=caches, **kw)
+                       caches=caches or None, **kw)
     except (ValueError, TypeError) as exc:
         print(f"\nerror: {exc}", file=sys.stderr)
         return 2
+    stream.finish()
     out.write("\n")
     out.flush()
     stamps = stream.stamps
@@ -484,14 +519,17 @@ def cmd_chat(args: argparse.Namespace) -> int:
         messages: list[dict[str, str]] = []
         if args.system:
             messages.append({"role": "system", "content": args.system})
-        render_chat(template, messages, add_generation_prompt=True, **specials)  # fails early
+        # a template that cannot render a first message fails here, before any input
+        # (many read messages[0], so the probe holds one)
+        render_chat(template, messages + [{"role": "user", "content": "hello"}],
+                    add_generation_prompt=True, **specials)
     except (OSError, ValueError, TypeError, ImportError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     print(f"{model}\nchat: one message a line; end with Ctrl-D", file=sys.stderr)
     out = sys.stdout
     for line in sys.stdin:
-        text = line.rstrip("\n")
+        text = _text(line.rstrip("\n"))
         if not text.strip():
             continue
         messages.append({"role": "user", "content": text})
@@ -509,6 +547,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
         except (ValueError, TypeError) as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 2
+        stream.finish()
         out.write("\n")
         out.flush()
         # one row: generation stops at its end, so the reply is every token shown
@@ -557,7 +596,7 @@ def cmd_info(args: argparse.Namespace) -> int:
     try:
         plan = explain_call(q_shape, k_shape, args.dtype, args.cache_dtype, args.causal,
                             args.gqa, args.threads)
-    except (TypeError, ValueError) as exc:
+    except (TypeError, ValueError, MemoryError) as exc:
         print(f"python -m manyheads info --explain: {exc}", file=sys.stderr)
         return 2
     print(plan)
@@ -604,6 +643,7 @@ def build_parser() -> argparse.ArgumentParser:
     """The command line of ``python -m manyheads`` (``bench`` hands its arguments on)."""
     parser = argparse.ArgumentParser(prog="python -m manyheads", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version", version=f"manyheads {mh.__version__}")
     sub = parser.add_subparsers(dest="command")
     sub.add_parser("demo", help="run the demo (the default)")
     inf = sub.add_parser("info", help="show the kernel path, OpenMP and thread count; with "
@@ -700,7 +740,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     handlers = {None: cmd_demo, "demo": cmd_demo, "info": cmd_info,
                 "show": cmd_show, "generate": cmd_generate, "chat": cmd_chat}
-    return handlers[args.command](args)
+    try:
+        return handlers[args.command](args)
+    except KeyboardInterrupt:  # Ctrl-C: the shell's code for it, without a traceback
+        print(file=sys.stderr)
+        return 130
+    except BrokenPipeError:  # the reader has gone (| head): stop quietly
+        # (stdout to /dev/null, so that the interpreter's last flush does not fail again)
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
 
 
 if __name__ == "__main__":
