@@ -112,3 +112,10 @@ def test_version():
     res = subprocess.run([sys.executable, "-m", "manyheads", "--version"],
                          capture_output=True, text=True, timeout=60)
     assert res.returncode == 0 and res.stdout == f"manyheads {mh.__version__}\n"
+
+
+def test_info_refuses_the_flags_of_explain_without_it():
+    res = subprocess.run([sys.executable, "-m", "manyheads", "info", "--threads", "1",
+                          "--causal"], capture_output=True, text=True, timeout=60)
+    assert res.returncode == 2 and res.stdout == ""
+    assert "--causal, --threads describe the call of --explain QUERY KEY" in res.stderr

@@ -590,6 +590,14 @@ def explain_call(q_shape: tuple[int, ...], k_shape: tuple[int, ...], dtype: str 
 
 def cmd_info(args: argparse.Namespace) -> int:
     if args.explain is None:
+        given = [flag for flag, on in (("--dtype", args.dtype != "float32"),
+                                       ("--cache-dtype", args.cache_dtype is not None),
+                                       ("--causal", args.causal), ("--gqa", args.gqa),
+                                       ("--threads", args.threads is not None)) if on]
+        if given:
+            print(f"error: {', '.join(given)} describe the call of --explain QUERY KEY",
+                  file=sys.stderr)
+            return 2
         mh.show_config()
         return 0
     q_shape, k_shape = (_shape(t, w) for t, w in zip(args.explain, ("query", "key")))
