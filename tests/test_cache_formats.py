@@ -231,6 +231,19 @@ def test_the_quantiser_rejects_what_its_formats_cannot_hold():
         quantize(np.ones((2, 64), np.float32), "int2")
 
 
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_no_rows_quantise_and_come_back(fmt):
+    x = np.zeros((2, 3, 0, 32), np.float32)
+    q, scales = quantize(x, fmt)
+    assert dequantize(q, scales, fmt).shape == x.shape
+
+
+def test_a_cache_past_any_address_space_is_refused_naming_its_sizes():
+    with pytest.raises(ValueError, match=r"a cache of batch_size=1073741824, max_len=1073741824"
+                                         r", num_kv_heads=1024 and head_dim=1024 would take"):
+        mh.KVCache(2**30, 2**30, 2**10, 2**10, dtype="int4")
+
+
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_quantize_round_trip_within_the_format_resolution(rng, fmt):
     x = normal(rng, (3, 2, 50, 64), np.float32)

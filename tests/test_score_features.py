@@ -316,8 +316,49 @@ def test_a_cap_of_any_size_keeps_the_scores_precision(rng, L, S, dtype):
     k, v = (normal(rng, (1, 2, S, 32), dtype) for _ in range(2))
     causal = np.tril(np.ones((L, S), bool), S - L)
     tol = 2e-5 if dtype == np.float32 else 1e-10
-    for cap in [0.5, 4.0, 50.0, 1e3, 1e6, 1e8, 1e30]:
+    for cap in [0.5, 4.0, 50.0, 1e3, 1e6, 1e8, 1e30, 2.35e38]:
         out = mh.scaled_dot_product_attention(q, k, v, attn_mask=causal, softcap=cap)
         ref = oracle.scaled_dot_product_attention(
             *(a.astype(np.float64) for a in (q, k, v)), attn_mask=causal, softcap=cap)
         np.testing.assert_allclose(out, ref, rtol=0, atol=tol, err_msg=f"softcap={cap}")
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, "bfloat16"])
+def test_factors_float32_scores_cannot_take_are_refused(rng, dtype):
+    """The kernels take a scale, soft cap or ALiBi slope times log2(e) in the scores'
+    float32: past about 2.36e38 that is inf, and every output had been NaN."""
+    if dtype == "bfloat16":
+        dtype = pytest.importorskip("ml_dtypes").bfloat16
+    q = normal(rng, (1, 2, 4, 8), np.float32).astype(dtype)
+    big = dict(scale=1e39, softcap=3.4e38, alibi_slopes=np.array([0.5, 3e38], np.float32))
+    for name, value in big.items():
+        with pytest.raises(ValueError, match=f"{name} must be at most 2.359e[+]38 in magnitude "
+                                             "for float32 attention"):
+            mh.scaled_dot_product_attention(q, q, q, **{name: value})
+    cache = mh.KVCache(1, 8, 2, 8, dtype)  # (it attends float32 queries, keys and values)
+    q32 = q.astype(np.float32)
+    with pytest.raises(ValueError, match="softcap must be at most"):
+        cache.attend(q32, q32, q32, softcap=1e39)
+    with pytest.raises(ValueError, match="scale must be at most"):
+        cache.attend(q32, q32, q32, scale=-1e39)
+    assert len(cache) == 0
+    for make in (lambda: mh.MultiHeadAttention(8, 8, 16, 0.0, 2, scale=1e39),
+                 lambda: mh.MultiHeadAttention(8, 8, 16, 0.0, 2, softcap=1e39)):
+        with pytest.raises(ValueError, match="must be at most 2.359e[+]38"):
+            make()
+
+
+def test_float64_takes_factors_past_float32s_range(rng):
+    q, k, v = (normal(rng, (1, 2, 4, 8), np.float64) for _ in range(3))
+    out = mh.scaled_dot_product_attention(q, k, v, softcap=1e300, scale=1e-300)
+    ref = oracle.scaled_dot_product_attention(q, k, v, softcap=1e300, scale=1e-300)
+    np.testing.assert_allclose(out, ref, rtol=0, atol=1e-12)
+    with pytest.raises(ValueError, match="scale must be at most 1.246e[+]308 in magnitude for "
+                                         "float64 attention"):
+        mh.scaled_dot_product_attention(q, k, v, scale=1.5e308)
+
+
+def test_two_dimensional_slopes_need_a_batch_axis(rng):
+    q = normal(rng, (4, 3, 8), np.float32)  # (heads, L, E): no batch
+    with pytest.raises(ValueError, match=r"alibi_slopes must have shape \(4,\): one slope"):
+        mh.scaled_dot_product_attention(q, q, q, alibi_slopes=np.ones((1, 4), np.float32))

@@ -14,7 +14,7 @@ checked everything before it builds a call.  The C declarations are in
 from cython.parallel cimport parallel, prange, threadid
 from libc.stdint cimport int8_t, int32_t, int64_t, uint8_t, uint16_t, uint64_t, uintptr_t
 from libc.stdlib cimport calloc, free, malloc
-from libc.math cimport frexpf, isfinite, ldexpf, sqrt
+from libc.math cimport fabs, frexpf, isfinite, ldexpf, sqrt
 from libc.string cimport memcpy, memmove, memset
 from cpython.pythread cimport PyThread_get_thread_ident
 
@@ -1201,10 +1201,11 @@ cdef class AttentionCall:
 
 cdef inline bint _plain_scale(object scale, int64_t E, double *s):
     """*s = the score scale of a plain call (None: 1/sqrt(E)); False for anything but
-    None or a finite Python float (the general path checks and explains it)."""
+    None or a Python float that float32 scores can take times log2(e) (the general path
+    checks and explains it: _validate.check_factor)."""
     if scale is None:
         s[0] = 1.0 / sqrt(<double>E)
-    elif type(scale) is float and isfinite(<double>scale):
+    elif type(scale) is float and fabs(<double>scale) <= 2.35e38:
         s[0] = scale
     else:
         return False

@@ -51,6 +51,22 @@ def check_optional_real(value: Any, name: str) -> float | None:
     return None if value is None else check_real(value, name)
 
 
+def check_factor(value: float | None, name: str, dtype: Any) -> float | None:
+    """A checked scale, soft cap or ALiBi slope (None passes) within the range the
+    kernels take for attention in ``dtype``: they multiply it by log2(e) in the
+    scores' type, so float32 attention takes magnitudes up to about 2.36e38."""
+    limit = _FACTOR_MAX[np.dtype(dtype) == np.float64]
+    if value is not None and abs(value) > limit:
+        kind = "float64" if np.dtype(dtype) == np.float64 else "float32"
+        raise ValueError(f"{name} must be at most {limit:.4g} in magnitude for {kind} "
+                         f"attention (its scores are computed in {kind}), got {value:g}")
+    return value
+
+
+_FACTOR_MAX = {False: float(np.finfo(np.float32).max) / math.log2(math.e),
+               True: float(np.finfo(np.float64).max) / math.log2(math.e)}
+
+
 def check_bool(value: Any, name: str) -> bool:
     if value is False or value is True:  # the usual case, checked first (hot path)
         return value
@@ -180,6 +196,7 @@ def check_score_features(q: np.ndarray, softcap: Any, sinks: Any, alibi_slopes: 
         cap = check_real(softcap, "softcap")
         if cap <= 0:
             raise ValueError(f"softcap must be positive, got {cap}")
+        check_factor(cap, "softcap", q.dtype)
     sink_logits = None
     if sinks is not None:
         sink_logits = as_float_array(sinks, "sinks")
@@ -191,9 +208,11 @@ def check_score_features(q: np.ndarray, softcap: Any, sinks: Any, alibi_slopes: 
         slopes = as_float_array(alibi_slopes, "alibi_slopes")
         batch = q.shape[-4] if q.ndim >= 4 else None
         if slopes.ndim not in (1, 2) or slopes.shape[-1] != heads or (
-                slopes.ndim == 2 and slopes.shape[0] not in (1, batch)):
+                slopes.ndim == 2 and (batch is None or slopes.shape[0] not in (1, batch))):
             want = f"({heads},)" + (f" or ({batch}, {heads})" if batch is not None else "")
             raise ValueError(f"alibi_slopes must have shape {want}: one slope per query head"
                              f"{' (and batch)' if batch is not None else ''}, "
                              f"got {slopes.shape}")
+        if slopes.size:
+            check_factor(float(np.abs(slopes).max()), "alibi_slopes", q.dtype)
     return cap, sink_logits, slopes, lse

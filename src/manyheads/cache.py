@@ -45,7 +45,8 @@ import numpy as np
 
 from . import _config, _core, _formats, _kernels
 from ._validate import (ScoreFeatures, as_float_array, check_bool, check_int,
-                        check_optional_int, check_optional_real, check_score_features)
+                        check_factor, check_optional_int, check_optional_real,
+                        check_score_features)
 
 __all__ = ["KVCache", "CacheStep", "FORMATS", "StorageFormat", "quantize", "dequantize"]
 
@@ -89,8 +90,10 @@ def dequantize(q: np.ndarray, scales: np.ndarray | None, fmt: str) -> np.ndarray
         return widened
     nib = np.empty(q.shape[:-1] + (2 * q.shape[-1],), np.float32)
     nib[..., 0::2], nib[..., 1::2] = q & 15, q >> 4
-    pairs = scales.astype(np.float32).reshape(scales.shape[:-1] + (-1, 2))
-    g = nib.reshape(nib.shape[:-1] + (-1, f.group))
+    assert f.group is not None
+    groups = 2 * q.shape[-1] // f.group  # (given, not -1: a reshape of no rows cannot infer it)
+    pairs = scales.astype(np.float32).reshape(scales.shape[:-1] + (groups, 2))
+    g = nib.reshape(nib.shape[:-1] + (groups, f.group))
     return (g * pairs[..., 0:1] + pairs[..., 1:2]).reshape(nib.shape)
 
 
@@ -113,7 +116,7 @@ def _zeros_together(shapes: Sequence[tuple[tuple[int, ...], Any]]) -> list[np.nd
     L = 16384, 256 MiB of caches, 2 threads, an AMD EPYC, one process): an int4 step
     took 0.96-0.97x the time, int8 0.97-0.99x.
     """
-    sizes = [int(np.prod(s, dtype=np.int64)) * np.dtype(d).itemsize for s, d in shapes]
+    sizes = [math.prod(s) * np.dtype(d).itemsize for s, d in shapes]  # (Python ints)
     offsets, end = [], 0
     for size in sizes:
         end += -end % 64
@@ -169,6 +172,11 @@ class KVCache:
         shapes = [(rows + (fmt.stored_columns(self.head_dim),), fmt.dtype)] * 2
         if fmt.scale_dtype is not None:
             shapes += [(rows + (fmt.scale_columns(self.head_dim),), fmt.scale_dtype)] * 2
+        nbytes = sum(math.prod(shape) * np.dtype(d).itemsize for shape, d in shapes)
+        if nbytes > np.iinfo(np.intp).max // 2:  # (past what an address space holds)
+            raise ValueError(f"a cache of batch_size={batch_size}, max_len={max_len}, "
+                             f"num_kv_heads={num_kv_heads} and head_dim={head_dim} would "
+                             f"take {nbytes:.3g} bytes")
         parts = _zeros_together(shapes)
         self.keys: np.ndarray = parts[0]
         self.values: np.ndarray = parts[1]
@@ -348,7 +356,7 @@ class KVCache:
             if pad.dtype != np.bool_ or pad.shape != (B, T):
                 raise ValueError(f"key_padding_mask must be a bool array of shape {(B, T)}, "
                                  f"got {pad.dtype} {pad.shape}")
-        s = check_optional_real(scale, "scale")
+        s = check_factor(check_optional_real(scale, "scale"), "scale", self.compute_dtype)
         rw = check_bool(return_weights, "return_weights")
         features = check_score_features(q, softcap, sinks, alibi_slopes, return_lse)
         nt = _config.resolve_num_threads(num_threads)

@@ -16,8 +16,8 @@ from ._core import CallPlan, ItemPlan
 from .weights import Int8Weight, weight_format
 from ._validate import (ATTENTION_DTYPES_TEXT, FLOAT_DTYPES,
                         as_attention_array, as_float_array, check_bool,
-                        check_dropout, check_optional_real, check_score_features, is_half,
-                        seed_value)
+                        check_dropout, check_factor, check_optional_real, check_score_features,
+                        is_half, seed_value)
 
 __all__ = ["scaled_dot_product_attention", "merge_attention", "explain", "CallPlan", "ItemPlan",
            "linear", "SUPPORTED_DTYPES"]
@@ -244,7 +244,7 @@ def _checked(query: Any, key: Any, value: Any, attn_mask: Any, dropout_p: Any, i
     if causal and attn_mask is not None:
         raise ValueError("give either attn_mask or is_causal=True, not both")
     p = check_dropout(dropout_p)
-    s = check_optional_real(scale, "scale")
+    s = check_factor(check_optional_real(scale, "scale"), "scale", q.dtype)
     nt = _config.resolve_num_threads(num_threads)
     gqa = check_bool(enable_gqa, "enable_gqa")
     if gqa:

@@ -25,8 +25,8 @@ import numpy as np
 
 from . import _config, _core, interop
 from ._validate import (FLOAT_DTYPES, FLOAT_DTYPES_TEXT, check_bool, check_byte_order,
-                        check_dropout, check_float_dtype, check_int, check_optional_int,
-                        check_optional_real, rng_from_seed, seed_value)
+                        check_dropout, check_factor, check_float_dtype, check_int,
+                        check_optional_int, check_optional_real, rng_from_seed, seed_value)
 from .cache import CacheStep, KVCache
 from .interop import FusedWeights, alibi_slopes
 
@@ -132,7 +132,8 @@ class _AttentionModule:
         self._rng = rng_from_seed(seed)
         self._init_heads(num_heads)
         self._init_rope(rope_theta, self.head_dim)
-        self.softcap = check_optional_real(softcap, "softcap")
+        self.softcap = check_factor(check_optional_real(softcap, "softcap"), "softcap",
+                                    self.dtype)
         if self.softcap is not None and self.softcap <= 0:
             raise ValueError(f"softcap must be positive, got {self.softcap}")
         self.sinks = np.zeros(self.num_heads, self.dtype) if check_bool(sinks, "sinks") else None
@@ -814,7 +815,7 @@ class MultiHeadAttention(_AttentionModule):
                           window=window, batch_first=batch_first, dtype=dtype, seed=seed,
                           rope_theta=rope_theta, num_heads=num_heads, softcap=softcap,
                           sinks=sinks, alibi=alibi)
-        self.scale = check_optional_real(scale, "scale")
+        self.scale = check_factor(check_optional_real(scale, "scale"), "scale", self.dtype)
         self.out_features = check_optional_int(out_features, "out_features", 1) or self.d_out
         kvh = check_optional_int(num_kv_heads, "num_kv_heads", 1) or self.num_heads
         if self.num_heads % kvh:
