@@ -203,7 +203,7 @@ class BuildExt(build_ext):
                 ext.extra_link_args = list(ext.extra_link_args or []) + omp[1]
             if not msvc:
                 ext.extra_compile_args = list(ext.extra_compile_args or []) + ["-O3"]
-                if not _debug_build():
+                if not (self.debug or _debug_build()):
                     # debug information (Python's -g) was 9/10 of the library's 22 MB;
                     # the linker leaves it out, unless CFLAGS asks for -g
                     ext.extra_link_args = list(ext.extra_link_args or []) + ["-Wl,-S"]

@@ -274,10 +274,14 @@ def test_chat_takes_a_template_that_reads_the_first_message(chat_dir, tmp_path, 
         assert len(res.stdout.splitlines()) == 1 and "Traceback" not in res.stderr
 
 
-def test_chat_reads_bytes_that_are_not_utf8(chat_dir):
+@pytest.mark.parametrize("stdin_errors", ["surrogateescape", "strict"])
+def test_chat_reads_bytes_that_are_not_utf8(chat_dir, stdin_errors):
+    """Python reads stdin with surrogate escapes in the C locale and strictly in a UTF-8
+    one (en_US.UTF-8)."""
+    env = dict(os.environ, PYTHONIOENCODING=f"utf-8:{stdin_errors}")
     res = subprocess.run([sys.executable, "-m", "manyheads", "chat", "--model", chat_dir,
-                          "--max-new-tokens", "3"], input=b"the cat \xff sat\n",
-                         capture_output=True, timeout=300)
+                          "--max-new-tokens", "3", "--system", b"many \xff heads"],
+                         input=b"the cat \xff sat\n", capture_output=True, timeout=300, env=env)
     assert res.returncode == 0, res.stderr
     assert len(res.stdout.splitlines()) == 1
 

@@ -362,3 +362,22 @@ def test_two_dimensional_slopes_need_a_batch_axis(rng):
     q = normal(rng, (4, 3, 8), np.float32)  # (heads, L, E): no batch
     with pytest.raises(ValueError, match=r"alibi_slopes must have shape \(4,\): one slope"):
         mh.scaled_dot_product_attention(q, q, q, alibi_slopes=np.ones((1, 4), np.float32))
+
+
+def test_a_modules_factors_changed_after_construction_are_checked_at_the_call(rng):
+    """The kernels refuse what the arguments' checks would have: a scale, soft cap or
+    slope set on a module later must not reach them as inf."""
+    x = normal(rng, (1, 5, 8), np.float32)
+    for name, value in (("scale", 1e39), ("softcap", -3e38)):
+        m = mh.MultiHeadAttention(8, 8, 16, 0.0, 2, seed=0)
+        setattr(m, name, value)
+        with pytest.raises(ValueError, match=f"{name} must be at most 2.359e[+]38"):
+            m(x)
+        cache = m.new_cache(1, 8)
+        with pytest.raises(ValueError, match=f"{name} must be at most 2.359e[+]38"):
+            m(x[:, :1], cache=cache)
+        assert len(cache) == 0
+    m = mh.MultiHeadAttention(8, 8, 16, 0.0, 2, alibi=True, seed=0)
+    m.alibi_slopes = np.array([0.5, 1e39])
+    with pytest.raises(ValueError, match="alibi_slopes must be at most 2.359e[+]38"):
+        m(x)

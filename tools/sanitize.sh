@@ -28,8 +28,9 @@ echo "=== test suite under ASan/UBSan"
 
 echo "=== valgrind memcheck (plain build, small inputs)"
 "$py" -m venv "$work/vg"
-"$work/vg/bin/python" -m pip install --quiet --disable-pip-version-check --no-cache-dir \
-    "$work/src" > "$work/vg.log" 2>&1 || { tail -30 "$work/vg.log"; exit 1; }
+# (CFLAGS=-g keeps the debug information setup.py otherwise leaves out: file:line in reports)
+CFLAGS=-g "$work/vg/bin/python" -m pip install --quiet --disable-pip-version-check \
+    --no-cache-dir "$work/src" > "$work/vg.log" 2>&1 || { tail -30 "$work/vg.log"; exit 1; }
 cat > "$work/vg_case.py" <<'PY'
 import numpy as np, manyheads as mh
 rng = np.random.default_rng(0)

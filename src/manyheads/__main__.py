@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import argparse
+import io
 import os
 import sys
 import time
@@ -326,7 +327,7 @@ def _show(args: argparse.Namespace) -> int:
     else:
         layer = show_layer()
         source = "demo layer (heads 0-2 hand-set: previous-token, first-token, induction)"
-    x, tokens = show_input(args.text, layer.d_in)
+    x, tokens = show_input(_text(args.text), layer.d_in)
     if len(tokens) > layer.context_length:
         print(f"text has {len(tokens)} byte tokens, more than the layer's context "
               f"{layer.context_length}", file=sys.stderr)
@@ -518,7 +519,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
             raise ValueError(f"--max-new-tokens must be 1 or more, got {args.max_new_tokens}")
         messages: list[dict[str, str]] = []
         if args.system:
-            messages.append({"role": "system", "content": args.system})
+            messages.append({"role": "system", "content": _text(args.system)})
         # a template that cannot render a first message fails here, before any input
         # (many read messages[0], so the probe holds one)
         render_chat(template, messages + [{"role": "user", "content": "hello"}],
@@ -528,6 +529,8 @@ def cmd_chat(args: argparse.Namespace) -> int:
         return 2
     print(f"{model}\nchat: one message a line; end with Ctrl-D", file=sys.stderr)
     out = sys.stdout
+    if isinstance(sys.stdin, io.TextIOWrapper):  # (a strict UTF-8 locale would raise)
+        sys.stdin.reconfigure(errors="surrogateescape")
     for line in sys.stdin:
         text = _text(line.rstrip("\n"))
         if not text.strip():
@@ -590,7 +593,7 @@ def explain_call(q_shape: tuple[int, ...], k_shape: tuple[int, ...], dtype: str 
 
 def cmd_info(args: argparse.Namespace) -> int:
     if args.explain is None:
-        given = [flag for flag, on in (("--dtype", args.dtype != "float32"),
+        given = [flag for flag, on in (("--dtype", args.dtype is not None),
                                        ("--cache-dtype", args.cache_dtype is not None),
                                        ("--causal", args.causal), ("--gqa", args.gqa),
                                        ("--threads", args.threads is not None)) if on]
@@ -602,7 +605,8 @@ def cmd_info(args: argparse.Namespace) -> int:
         return 0
     q_shape, k_shape = (_shape(t, w) for t, w in zip(args.explain, ("query", "key")))
     try:
-        plan = explain_call(q_shape, k_shape, args.dtype, args.cache_dtype, args.causal,
+        plan = explain_call(q_shape, k_shape, args.dtype or "float32", args.cache_dtype,
+                            args.causal,
                             args.gqa, args.threads)
     except (TypeError, ValueError, MemoryError) as exc:
         print(f"python -m manyheads info --explain: {exc}", file=sys.stderr)
@@ -660,9 +664,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="shapes of the queries and of the keys (and values), sizes joined "
                           "by 'x', such as 1x12x1x64 1x12x16384x64: print the call's plan "
                           "(schedule, paths, reads, threads, scratch) instead")
-    inf.add_argument("--dtype", default="float32",
-                     choices=("float32", "float64", "float16", "bfloat16"),
-                     help="with --explain: the dtype of the arrays (default: %(default)s)")
+    inf.add_argument("--dtype", choices=("float32", "float64", "float16", "bfloat16"),
+                     help="with --explain: the dtype of the arrays (default: float32)")
     inf.add_argument("--cache-dtype", choices=CACHE_ONLY_FORMATS,
                      help="with --explain: keys and values stored in this KV cache format")
     inf.add_argument("--causal", action="store_true", help="with --explain: is_causal=True")

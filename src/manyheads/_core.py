@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from . import _blas, _formats, _kernels
-from ._validate import ScoreFeatures, dtype_name
+from ._validate import ScoreFeatures, check_factor, dtype_name
 
 __all__ = ["attention", "explain", "CallPlan", "ItemPlan", "linear", "apply_rope", "rotate", "rope_tables", "kernel_ready"]
 
@@ -433,6 +433,8 @@ def _set_features(call: Any, features: ScoreFeatures, lse: np.ndarray | None,
     softcap, sinks, alibi, _ = features
     if softcap is not None:
         call.set_softcap(float(softcap))
+    if alibi is not None and np.size(alibi):  # (a module's slopes may have been set late)
+        check_factor(float(np.abs(alibi).max()), "alibi_slopes", compute)
     for values, setter in ((alibi, call.set_alibi), (sinks, call.set_sinks)):
         if values is not None:
             view = _broadcast(np.asarray(values, compute)[..., None, None], heads_batch + (1, 1))

@@ -918,6 +918,12 @@ cdef inline void *_data(object arr):
     return cnp.PyArray_DATA(<cnp.ndarray>arr)
 
 
+# the largest scale or soft cap the kernels take: times log2(e), finite in the scores' type
+# (the Python checks' limits, _validate.check_factor)
+cdef double _F32_FACTOR_MAX = 3.4028234663852886e38 / 1.4426950408889634
+cdef double _F64_FACTOR_MAX = 1.7976931348623157e308 / 1.4426950408889634
+
+
 cdef class AttentionCall:
     """One attention call: its plan and the C struct of arguments the kernels read.
 
@@ -1085,11 +1091,22 @@ cdef class AttentionCall:
         self.a.causal.window = window
 
     cpdef set_scale(self, double scale):
-        self.a.scale = scale
+        self.a.scale = self._factor(scale, "scale")
 
     def set_softcap(self, double cap):
         """Scores become cap * tanh(score / cap) (scaled scores; cap > 0)."""
-        self.a.softcap = cap
+        self.a.softcap = self._factor(cap, "softcap")
+
+    cdef double _factor(self, double x, str name) except? -1.0:
+        """x, when the scores' type can take it times log2(e) (the kernels' units);
+        ValueError otherwise, so that a module's scale or soft cap changed after its
+        checks cannot reach the kernels (float32 scores had all become NaN)."""
+        if fabs(x) <= (_F64_FACTOR_MAX if self.is_f64 else _F32_FACTOR_MAX):
+            return x
+        raise ValueError(f"{name} must be at most "
+                         f"{_F64_FACTOR_MAX if self.is_f64 else _F32_FACTOR_MAX:.4g} in "
+                         f"magnitude for {'float64' if self.is_f64 else 'float32'} attention "
+                         f"(its scores are computed in that type), got {x:g}")
 
     def set_alibi(self, cnp.ndarray slopes, int n_batch):
         """ALiBi slopes, one per query head: a view (.., 1, 1) of the call's float type
@@ -1205,7 +1222,7 @@ cdef inline bint _plain_scale(object scale, int64_t E, double *s):
     checks and explains it: _validate.check_factor)."""
     if scale is None:
         s[0] = 1.0 / sqrt(<double>E)
-    elif type(scale) is float and fabs(<double>scale) <= 2.35e38:
+    elif type(scale) is float and fabs(<double>scale) <= _F32_FACTOR_MAX:
         s[0] = scale
     else:
         return False

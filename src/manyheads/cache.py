@@ -282,8 +282,10 @@ class KVCache:
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
-        if "_padded" not in state:  # (a cache pickled before it was kept)
-            self._padded = self.padding.sum(axis=1, dtype=np.intp)
+        if "_padded" not in state:  # (a cache pickled before it was kept; a wrapped
+            # ring's overwritten padding is not known then)
+            self._padded = self.padding[:, :min(self._len, self.capacity)].sum(
+                axis=1, dtype=np.intp)
         self._busy = threading.Lock()
         self._calls = {}
 

@@ -449,9 +449,11 @@ class DecoderModel:
         fmt = None if cache_dtype is None else _formats.cache_format(cache_dtype)
         if caches is not None:
             self._check_generate_caches(caches, B, T, n)
-            if fmt is not None and any(c.format != fmt.name for c in caches):
+            other = next((c.format for c in caches if fmt is not None and c.format != fmt.name),
+                         None)
+            if fmt is not None and other is not None:
                 raise ValueError(f"cache_dtype={fmt.name} does not match the caches given "
-                                 f"({caches[0].format}): pass cache_dtype or caches, not both")
+                                 f"({other}): pass cache_dtype or caches, not both")
         rng = np.random.default_rng(seed) if settings.do_sample else None
         out = np.empty((B, n), dtype=np.int64)
         if n == 0:

@@ -144,6 +144,7 @@ class Rotary:
             inv = self._yarn(exponents, params)
         self.inv_freq = inv.astype(np.float32)
         self._memo: tuple[tuple[int, int, int], np.ndarray, np.ndarray] | None = None
+        self._rows_memo: tuple[Any, list[tuple[np.ndarray, np.ndarray]]] | None = None
 
     def _llama3(self, inv: np.ndarray, p: dict[str, Any]) -> np.ndarray:
         """Llama 3.1: low frequencies divided by the factor, high ones kept, a smooth
@@ -226,6 +227,16 @@ class Rotary:
         (``length`` as in :meth:`tables`)."""
         cos, sin = self.tables(start, x.shape[-2], length)
         _core.rotate(x, cos, sin)
+
+    def apply_rows(self, x: np.ndarray, starts: np.ndarray, length: int) -> None:
+        """Rotate each row b of x (B, H, T, D) in place from position starts[b], at the
+        frequencies of a call reaching ``length``; the tables are kept for the next
+        layer."""
+        key = (tuple(starts.tolist()), x.shape[-2], length)
+        if self._rows_memo is None or self._rows_memo[0] != key:
+            self._rows_memo = (key, [self.tables(s, x.shape[-2], length) for s in key[0]])
+        for b, (cos, sin) in enumerate(self._rows_memo[1]):
+            _core.rotate(x[b:b + 1], cos, sin)
 
     def __repr__(self) -> str:
         scaling = "" if self.kind == "default" else f" {self.kind} x{self.factor:g}"

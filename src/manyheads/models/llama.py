@@ -120,9 +120,8 @@ class DecoderAttention(Watched, MultiHeadAttention):
         # each row from its own first token, at the frequencies of the batch's furthest
         # position, as transformers' generate does (positions from the mask)
         length = start + q.shape[-2] - int(padded.min())
-        for b, shift in enumerate(padded.tolist()):
-            self.rotary.apply(q[b:b + 1], start - shift, length)
-            self.rotary.apply(k[b:b + 1], start - shift, length)
+        self.rotary.apply_rows(q, start - padded, length)
+        self.rotary.apply_rows(k, start - padded, length)
 
     def decode(self, h: np.ndarray, cache: KVCache, num_threads: int) -> np.ndarray | None:
         """One decoding step of B (<= FEW_ROWS) tokens h (B, d_model), float32, through
