@@ -178,3 +178,11 @@ def test_load_rejects_wrong_version_and_shapes(tmp_path):
     np.savez(tmp_path / "other.npz", x=np.zeros(3))
     with pytest.raises(ValueError, match="not a manyheads"):
         mh.MultiHeadAttention.load(tmp_path / "other.npz")
+
+
+@pytest.mark.parametrize("cls", [BookWrapper, BookMultiHeadAttention])
+def test_the_books_modules_give_their_context_length(cls):
+    m = cls(32, 8, 48, 0.0, 4)  # (the wrapper keeps it in each head's mask)
+    imported = mh.StackedMultiHeadAttention.from_torch(m)
+    assert imported.context_length == 48
+    assert mh.MultiHeadAttention.from_torch(m).context_length == 48

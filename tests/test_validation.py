@@ -159,3 +159,33 @@ def test_a_float_mask_in_the_other_byte_order_is_converted(dtype):
     swapped = mask.astype(mask.dtype.newbyteorder("S"))
     np.testing.assert_array_equal(mh.scaled_dot_product_attention(x, x, x, attn_mask=swapped),
                                   want)
+
+
+def test_a_weight_or_bias_assigned_with_another_shape_is_refused_before_any_kernel(rng):
+    """nn.Linear's weight is (out, in): copied without .T into a module it had been taken,
+    and the products read past the array."""
+    x = rng.standard_normal((1, 4, 3)).astype(np.float32)
+    m = mh.CausalAttention(3, 2, 8, 0.0, qkv_bias=True)
+    m.W_query = np.zeros((2, 3), np.float32)
+    with pytest.raises(ValueError, match=r"a weight of shape \(2, 3\) and a bias of shape "
+                                         r"\(2,\) cannot take rows of 3 features"):
+        m(x)
+    m = mh.MultiHeadAttention(3, 4, 8, 0.0, 2)
+    m.W_out = np.zeros((4, 3), np.float32)  # (d_out, d_out) wanted
+    with pytest.raises(ValueError, match=r"a weight of shape \(4, 3\).* cannot take rows of 4"):
+        m(x)
+    m = mh.MultiHeadAttention(3, 4, 8, 0.0, 2)
+    m.b_out = np.zeros(5, np.float32)
+    for rows in (x, x[:, :1]):  # (more rows than the few-rows path's, and one)
+        with pytest.raises(ValueError, match=r"a bias of shape \(5,\)"):
+            m(rows)
+
+
+def test_the_fused_modules_biases_are_written_into_the_packed_buffer(rng):
+    m = mh.MultiHeadAttention(3, 4, 8, 0.0, 2, qkv_bias=True)
+    m.b_query = np.arange(4, dtype=np.float32)
+    assert np.array_equal(m.b_qkv[:4], np.arange(4)) and "b_query" not in vars(m)
+    bare = mh.MultiHeadAttention(3, 4, 8, 0.0, 2)
+    with pytest.raises(ValueError, match="no query, key and value biases .* b_value cannot "
+                                         "be set"):
+        bare.b_value = np.zeros(4, np.float32)

@@ -474,6 +474,12 @@ def linear(x: np.ndarray, w: Any, bias: np.ndarray | None, num_threads: int) -> 
     lead, k = x.shape[:-1], x.shape[-1]
     x2 = _rows_ready(x.reshape(math.prod(lead), k))
     fmt, data, scales, group, n = weight_parts(w)
+    if len(w.shape) != 2 or w.shape[0] != k or (bias is not None and bias.shape != (n,)):
+        # (a module's weight or bias assigned with another shape, say nn.Linear's (out, in))
+        raise ValueError(f"a weight of shape {tuple(w.shape)}"
+                         + ("" if bias is None else f" and a bias of shape {bias.shape}")
+                         + f" cannot take rows of {k} features: they must be ({k}, "
+                         "out_features) and (out_features,)")
     if fmt >= 0 and x2.dtype != _FLOAT32:  # stored weights serve float32 kernels only
         fmt, data, scales, group = -1, _widened(w).astype(x2.dtype), None, 0
     out = np.empty((x2.shape[0], n), dtype=x2.dtype)

@@ -825,6 +825,14 @@ def linear(x, w, bias, out, int num_threads, bint check_signals=False, int w_fmt
     cdef LinearPlan p
     cdef void *raw = NULL
     cdef bint native
+    if xa.ndim != 2 or wa.ndim != 2 or oa.ndim != 2 or xa.shape[0] != oa.shape[0] or \
+            wa.shape[0] < xa.shape[1] or wa.shape[1] < oa.shape[1] or (
+                bias is not None and (bias.ndim != 1 or bias.shape[0] < oa.shape[1])):
+        # (the callers check the shapes; this keeps the kernels inside the arrays whatever
+        # reaches them)
+        raise ValueError(f"linear: x {(<object>xa).shape}, weight {(<object>wa).shape}, bias "
+                         f"{None if bias is None else bias.shape} and out "
+                         f"{(<object>oa).shape} do not fit")
     a.m = xa.shape[0]
     a.k = xa.shape[1]
     a.n = oa.shape[1]  # not w's: int8 values in the kernels' order have padded rows

@@ -352,8 +352,12 @@ def import_module(m: Any, *, causal: bool | None,
 
 
 def context_length_of(m: Any, default: int = DEFAULT_CONTEXT_LENGTH) -> int:
-    """The module's context length when it records one (the book's mask buffer, GPT-2's config)."""
+    """The module's context length when it records one (the book's mask buffer, that of
+    the first of a wrapper's heads, GPT-2's config)."""
     mask = getattr(m, "mask", None)
+    heads = getattr(m, "heads", None)
+    if mask is None and heads is not None and hasattr(heads, "__getitem__") and len(heads):
+        mask = getattr(heads[0], "mask", None)  # (the book's MultiHeadAttentionWrapper)
     if mask is not None and hasattr(mask, "shape") and len(mask.shape) == 2:
         return int(mask.shape[-1])
     if getattr(m, "max_seq_length", None):  # MPT

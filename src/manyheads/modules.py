@@ -748,13 +748,24 @@ class _PackedWeight:
 
 
 class _PackedBias:
-    """``b_query``/``b_key``/``b_value`` of a fused module: a view into ``b_qkv`` or None."""
+    """``b_query``/``b_key``/``b_value`` of a fused module: a view into ``b_qkv`` or None;
+    assigning to the attribute writes into ``b_qkv``, as the weights' views do (it had
+    made an attribute of its own, which the module never read)."""
+
+    NAMES = ("b_query", "b_key", "b_value")
 
     def __init__(self, part: int) -> None:
         self.part = part
 
     def __get__(self, obj: Any, objtype: Any = None) -> np.ndarray | None:
         return None if obj.b_qkv is None else obj.b_qkv[obj._cols(self.part)]
+
+    def __set__(self, obj: Any, value: Any) -> None:
+        if obj.b_qkv is None:
+            raise ValueError(f"this module has no query, key and value biases (qkv_bias=False): "
+                             f"{self.NAMES[self.part]} cannot be set; make one with "
+                             "qkv_bias=True")
+        obj.b_qkv[obj._cols(self.part)] = value
 
 
 class MultiHeadAttention(_AttentionModule):
