@@ -289,9 +289,12 @@ def test_chat_reads_bytes_that_are_not_utf8(chat_dir, stdin_errors):
 def test_ctrl_c_ends_chat_without_a_traceback(chat_dir):
     import signal
 
+    # (Python raises KeyboardInterrupt only where SIGINT was not ignored at its start, and a
+    # shell's background jobs, such as a CI run, start with it ignored: the default here)
     proc = subprocess.Popen([sys.executable, "-m", "manyheads", "chat", "--model", chat_dir],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+                            stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         seen = []
         while not seen or "chat: one message a line" not in seen[-1]:
