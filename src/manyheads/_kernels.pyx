@@ -826,8 +826,8 @@ def linear(x, w, bias, out, int num_threads, bint check_signals=False, int w_fmt
     cdef void *raw = NULL
     cdef bint native
     if xa.ndim != 2 or wa.ndim != 2 or oa.ndim != 2 or xa.shape[0] != oa.shape[0] or \
-            wa.shape[0] < xa.shape[1] or wa.shape[1] < oa.shape[1] or (
-                bias is not None and (bias.ndim != 1 or bias.shape[0] < oa.shape[1])):
+            wa.shape[0] < xa.shape[1] or wa.shape[1] < oa.shape[1] or (bias is not None and (
+                (<cnp.ndarray?>bias).ndim != 1 or (<cnp.ndarray>bias).shape[0] < oa.shape[1])):
         # (the callers check the shapes; this keeps the kernels inside the arrays whatever
         # reaches them)
         raise ValueError(f"linear: x {(<object>xa).shape}, weight {(<object>wa).shape}, bias "
@@ -927,9 +927,10 @@ cdef inline void *_data(object arr):
 
 
 # the largest scale or soft cap the kernels take: times log2(e), finite in the scores' type
-# (the Python checks' limits, _validate.check_factor)
-cdef double _F32_FACTOR_MAX = 3.4028234663852886e38 / 1.4426950408889634
-cdef double _F64_FACTOR_MAX = 1.7976931348623157e308 / 1.4426950408889634
+# (the limits of the Python checks, which also word the error)
+from manyheads._validate import FACTOR_MAX as _FACTOR_MAX, check_factor as _check_factor
+cdef double _F32_FACTOR_MAX = _FACTOR_MAX[False]
+cdef double _F64_FACTOR_MAX = _FACTOR_MAX[True]
 
 
 cdef class AttentionCall:
@@ -1109,12 +1110,9 @@ cdef class AttentionCall:
         """x, when the scores' type can take it times log2(e) (the kernels' units);
         ValueError otherwise, so that a module's scale or soft cap changed after its
         checks cannot reach the kernels (float32 scores had all become NaN)."""
-        if fabs(x) <= (_F64_FACTOR_MAX if self.is_f64 else _F32_FACTOR_MAX):
-            return x
-        raise ValueError(f"{name} must be at most "
-                         f"{_F64_FACTOR_MAX if self.is_f64 else _F32_FACTOR_MAX:.4g} in "
-                         f"magnitude for {'float64' if self.is_f64 else 'float32'} attention "
-                         f"(its scores are computed in that type), got {x:g}")
+        if not fabs(x) <= (_F64_FACTOR_MAX if self.is_f64 else _F32_FACTOR_MAX):
+            _check_factor(x, name, np.float64 if self.is_f64 else np.float32)  # (raises)
+        return x
 
     def set_alibi(self, cnp.ndarray slopes, int n_batch):
         """ALiBi slopes, one per query head: a view (.., 1, 1) of the call's float type

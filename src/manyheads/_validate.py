@@ -55,7 +55,7 @@ def check_factor(value: float | None, name: str, dtype: Any) -> float | None:
     """A checked scale, soft cap or ALiBi slope (None passes) within the range the
     kernels take for attention in ``dtype``: they multiply it by log2(e) in the
     scores' type, so float32 attention takes magnitudes up to about 2.36e38."""
-    limit = _FACTOR_MAX[np.dtype(dtype) == np.float64]
+    limit = FACTOR_MAX[np.dtype(dtype) == np.float64]
     if value is not None and abs(value) > limit:
         kind = "float64" if np.dtype(dtype) == np.float64 else "float32"
         raise ValueError(f"{name} must be at most {limit:.4g} in magnitude for {kind} "
@@ -63,8 +63,9 @@ def check_factor(value: float | None, name: str, dtype: Any) -> float | None:
     return value
 
 
-_FACTOR_MAX = {False: float(np.finfo(np.float32).max) / math.log2(math.e),
-               True: float(np.finfo(np.float64).max) / math.log2(math.e)}
+#: the largest magnitude check_factor lets through, for float32 (False) and float64 (True)
+FACTOR_MAX = {False: float(np.finfo(np.float32).max) / math.log2(math.e),
+              True: float(np.finfo(np.float64).max) / math.log2(math.e)}
 
 
 def check_bool(value: Any, name: str) -> bool:
