@@ -180,6 +180,30 @@ def test_load_rejects_wrong_version_and_shapes(tmp_path):
         mh.MultiHeadAttention.load(tmp_path / "other.npz")
 
 
+@pytest.mark.parametrize("bias", [False, True])
+def test_the_books_single_head_imports(rng, bias):
+    src = randomise(BookCausalAttention(32, 12, 48, 0.25, qkv_bias=bias))
+    head = mh.CausalAttention.from_torch(src)
+    assert (head.d_in, head.d_out, head.context_length, head.dropout, head.qkv_bias) == \
+        (32, 12, 48, 0.25, bias)
+    x = rng.standard_normal((2, 40, 32)).astype(np.float32)
+    np.testing.assert_allclose(head(x), run_torch(src, x), rtol=0, atol=1e-5)
+    one = randomise(BookCausalAttention(32, 12, 48, 0.0))  # a bias on one layer only
+    one.W_key = nn.Linear(32, 12)
+    randomise(one)
+    imported = mh.CausalAttention.from_torch(one, context_length=64)
+    assert imported.context_length == 64 and not imported.b_query.any()
+    np.testing.assert_allclose(imported(x), run_torch(one, x), rtol=0, atol=1e-5)
+
+
+def test_a_head_and_a_multi_head_module_point_to_each_others_import():
+    with pytest.raises(TypeError, match="one head .*CausalAttention.from_torch"):
+        mh.MultiHeadAttention.from_torch(BookCausalAttention(8, 8, 16, 0.0))
+    with pytest.raises(TypeError, match="expected the book's CausalAttention .* "
+                                        "MultiHeadAttention.from_torch"):
+        mh.CausalAttention.from_torch(BookMultiHeadAttention(8, 8, 16, 0.0, 2))
+
+
 @pytest.mark.parametrize("cls", [BookWrapper, BookMultiHeadAttention])
 def test_the_books_modules_give_their_context_length(cls):
     m = cls(32, 8, 48, 0.0, 4)  # (the wrapper keeps it in each head's mask)

@@ -189,3 +189,20 @@ def test_the_fused_modules_biases_are_written_into_the_packed_buffer(rng):
     with pytest.raises(ValueError, match="no query, key and value biases .* b_value cannot "
                                          "be set"):
         bare.b_value = np.zeros(4, np.float32)
+
+
+def test_a_heads_biases_follow_qkv_bias(rng, tmp_path):
+    # (a bias set on a head made without them was used by the forward pass and dropped
+    # by save: the saved module then gave other outputs)
+    bare = mh.CausalAttention(3, 4, 8)
+    with pytest.raises(ValueError, match="no query, key and value biases .* b_value cannot "
+                                         "be set"):
+        bare.b_value = np.ones(4, np.float32)
+    assert bare.b_value is None
+    head = mh.CausalAttention(3, 4, 8, 0.0, True, seed=1)
+    with pytest.raises(ValueError, match="b_key cannot be removed"):
+        head.b_key = None
+    head.b_value = np.full(4, 0.5, np.float32)
+    x = rng.standard_normal((1, 5, 3)).astype(np.float32)
+    head.save(tmp_path / "head.npz")
+    np.testing.assert_array_equal(mh.CausalAttention.load(tmp_path / "head.npz")(x), head(x))

@@ -127,7 +127,33 @@ def _kind(m: Any) -> str:
     if heads is not None and len(heads) > 0 and all(
             all(hasattr(h, a) for a in ("W_query", "W_key", "W_value")) for h in heads):
         return "book_wrapper"
+    if _is_book_head(m):
+        raise TypeError(f"{type(m).__name__} is one head (the book's CausalAttention): import it "
+                        "with manyheads.CausalAttention.from_torch")
     raise TypeError(f"cannot import weights from {type(m).__name__}; supported: {SUPPORTED}")
+
+
+def _is_book_head(m: Any) -> bool:
+    """Whether ``m`` looks like the book's single-head ``CausalAttention``: W_query, W_key
+    and W_value linear layers and neither heads nor an output projection."""
+    return all(hasattr(getattr(m, a, None), "weight") for a in ("W_query", "W_key", "W_value")) \
+        and not any(hasattr(m, a) for a in ("out_proj", "num_heads", "heads"))
+
+
+def book_head(m: Any, dtype: Any = np.float32) -> tuple[list[tuple[np.ndarray, Any]], float]:
+    """((W, b) of W_query, W_key and W_value, each W (d_in, d_out) and b (d_out,) or None;
+    the dropout probability) of the book's single-head ``CausalAttention`` ``m``."""
+    if not _is_book_head(m):
+        raise TypeError(f"cannot import a head from {type(m).__name__}: expected the book's "
+                        "CausalAttention (W_query, W_key and W_value nn.Linear layers, no "
+                        "heads or output projection); for multi-head modules use "
+                        "MultiHeadAttention.from_torch")
+    parts = [_linear(getattr(m, n), dtype) for n in ("W_query", "W_key", "W_value")]
+    if len({w.shape for w, _ in parts}) != 1:
+        raise TypeError("W_query, W_key and W_value must have one shape, got "
+                        f"{[w.shape for w, _ in parts]}")
+    drop = getattr(getattr(m, "dropout", None), "p", 0.0)
+    return parts, float(drop)
 
 
 def fused_weights(m: Any, dtype: Any = np.float32) -> FusedWeights:

@@ -462,6 +462,29 @@ class _AttentionModule:
 _M = TypeVar("_M", bound=_AttentionModule)
 
 
+class _HeadBias:
+    """``b_query``/``b_key``/``b_value`` of a single head: an array with ``qkv_bias=True``,
+    else None.  Assigning one to a head made without biases is a ValueError (the
+    forward pass would have used it and :meth:`save` dropped it), as is removing one."""
+
+    def __set_name__(self, owner: Any, name: str) -> None:
+        self.name, self.slot = name, "_" + name
+
+    def __get__(self, obj: Any, objtype: Any = None) -> np.ndarray | None:
+        if obj is None:
+            return self  # type: ignore[return-value]
+        value: np.ndarray | None = obj.__dict__.get(self.slot)
+        return value
+
+    def __set__(self, obj: Any, value: Any) -> None:
+        if (value is None) == bool(obj.qkv_bias):
+            raise ValueError(
+                f"this head has no query, key and value biases (qkv_bias=False): {self.name} "
+                "cannot be set; make it with qkv_bias=True" if value is not None else
+                f"{self.name} cannot be removed: make the head with qkv_bias=False")
+        obj.__dict__[self.slot] = value
+
+
 class CausalAttention(_AttentionModule):
     __doc__ = """One head of (by default causal) self-attention: the book's ``CausalAttention``.
 
@@ -491,13 +514,46 @@ class CausalAttention(_AttentionModule):
         self.W_query = _linear_init(rng, self.d_in, shape, self.dtype)
         self.W_key = _linear_init(rng, self.d_in, shape, self.dtype)
         self.W_value = _linear_init(rng, self.d_in, shape, self.dtype)
-        self.b_query: np.ndarray | None = None
-        self.b_key: np.ndarray | None = None
-        self.b_value: np.ndarray | None = None
         if self.qkv_bias:
             self.b_query = _linear_init(rng, self.d_in, (self.d_out,), self.dtype)
             self.b_key = _linear_init(rng, self.d_in, (self.d_out,), self.dtype)
             self.b_value = _linear_init(rng, self.d_in, (self.d_out,), self.dtype)
+
+    b_query = _HeadBias()
+    b_key = _HeadBias()
+    b_value = _HeadBias()
+
+    @classmethod
+    def from_torch(cls, module: Any, *, causal: bool = True, context_length: int | None = None,
+                   dtype: Any = np.float32) -> "CausalAttention":
+        """A head with the weights of the book's single-head ``CausalAttention`` (PyTorch).
+
+        Parameters
+        ----------
+        module : torch module
+            With ``W_query``, ``W_key`` and ``W_value`` ``nn.Linear`` layers (biases on
+            some of them: the others' are zero) and no heads or output projection.
+            Anything else raises TypeError; multi-head modules import with
+            :meth:`MultiHeadAttention.from_torch`.
+        causal : bool
+            The book's head is causal (default True).
+        context_length : int, optional
+            Defaults to the size of the source's ``mask`` buffer, else 1024.
+        dtype : float32 or float64
+
+        Its dropout probability comes along; its output equals the source's.
+        """
+        parts, dropout = interop.book_head(module, dtype)
+        check_bool(causal, "causal")
+        (W_q, b_q), (W_k, b_k), (W_v, b_v) = parts
+        biased = any(b is not None for _, b in parts)
+        m = cls(W_q.shape[0], W_q.shape[1], context_length or interop.context_length_of(module),
+                dropout, biased, causal=bool(causal), dtype=dtype, seed=0)
+        for name, (W, b) in zip(("query", "key", "value"), parts):
+            getattr(m, "W_" + name)[...] = W
+            if biased:
+                getattr(m, "b_" + name)[...] = 0.0 if b is None else b
+        return m
 
     def _cache_geometry(self) -> tuple[int, int]:
         return 1, self.d_out
