@@ -55,7 +55,7 @@ def test_unsupported_model_type_names_the_supported_ones(llama_dir, tmp_path):
     d = _copy(llama_dir, tmp_path / "bert")
     _edit_config(d, model_type="bert")
     with pytest.raises(ValueError, match="'bert'.*gemma2, gemma3_text, gpt2, gpt_oss, llama, "
-                                         "mistral, phi3, qwen2, qwen3"):
+                                         "ministral, mistral, phi3, qwen2, qwen3"):
         from_pretrained(d)
 
 

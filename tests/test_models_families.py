@@ -382,6 +382,11 @@ def gemma3_dir(tmp_path_factory):
     ({"sliding_window": 0}, "'sliding_window' must be an integer >= 1"),
     ({"hidden_activation": "relu"}, "hidden_activation 'relu' is not supported"),
     ({"head_dim": 33}, "partial_rotary_factor 1 of head_dim 33 gives 33 rotated features"),
+    ({"use_bidirectional_attention": True}, "use_bidirectional_attention is an encoder"),
+    ({"rope_parameters": {"full_attention": {"rope_type": "linear", "factor": 2.0,
+                                             "rope_theta": 1e6, "partial_rotary_factor": 0.5},
+                          "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}},
+     "partial_rotary_factor 0.5 with rotary scaling 'linear' is not supported"),
 ])
 def test_bad_family_settings_are_named(gemma3_dir, tmp_path, changes, match):
     cfg = json.loads((gemma3_dir / "config.json").read_text())
@@ -391,6 +396,74 @@ def test_bad_family_settings_are_named(gemma3_dir, tmp_path, changes, match):
         (tmp_path / name).write_bytes(json.dumps(cfg).encode() if name == "config.json" else data)
     with pytest.raises(ValueError, match=match):
         from_pretrained(tmp_path)
+
+
+def _with_lm_head(folder):
+    """Adds an lm_head.weight of other values than the embedding to the saved file."""
+    from safetensors.numpy import load_file, save_file
+    arrays = load_file(folder / "model.safetensors")
+    embed = arrays.get("model.embed_tokens.weight", arrays.get("transformer.wte.weight"))
+    arrays["lm_head.weight"] = (0.2 * np.random.default_rng(3).standard_normal(embed.shape)
+                                ).astype(np.float32)
+    save_file(arrays, folder / "model.safetensors", metadata={"format": "pt"})
+
+
+LAYERS3 = ["sliding_attention", "full_attention", "sliding_attention"]
+# configs that transformers reads its own way: (config, changes to config.json (None:
+# remove the key), a change to the saved tensors)
+OWN_WAY = {
+    # the plain rotary embeddings of these families rotate every feature whatever
+    # partial_rotary_factor says (Phi-3's alone read it)
+    "llama-partial-ignored": (lambda: transformers.LlamaConfig(
+        **COMMON, rope_parameters=dict(rope_type="default", rope_theta=1e4,
+                                       partial_rotary_factor=0.5)), {}, None),
+    "qwen3-partial-ignored": (lambda: transformers.Qwen3Config(**COMMON, **WIDE),
+                              {"partial_rotary_factor": 0.5}, None),
+    # a Mistral config with layer_types is read as Ministral's: windows where they say
+    "mistral-layer-types": (lambda: transformers.MistralConfig(**COMMON, sliding_window=8),
+                            {"layer_types": LAYERS3}, None),
+    "ministral": (lambda: transformers.MinistralConfig(**COMMON, **WIDE, sliding_window=8,
+                                                       layer_types=LAYERS3), {}, None),
+    # Gemma reads hidden_activation only (its default GELU-tanh), never hidden_act
+    "gemma2-hidden-act": (lambda: transformers.Gemma2Config(**COMMON, **WIDE, sliding_window=8),
+                          {"hidden_activation": None, "hidden_act": "silu"}, None),
+    # tied in the config, but the file holds a head of its own: that head is kept
+    "llama-stored-head": (lambda: transformers.LlamaConfig(
+        **{**COMMON, "tie_word_embeddings": True}), {}, _with_lm_head),
+    "gpt2-stored-head": (lambda: transformers.GPT2Config(
+        vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=256), {}, _with_lm_head),
+    "gemma2-stored-head": (lambda: transformers.Gemma2Config(**COMMON, **WIDE, sliding_window=8),
+                           {"tie_word_embeddings": None}, _with_lm_head),
+}
+
+
+@pytest.mark.parametrize("case", list(OWN_WAY))
+def test_configs_transformers_reads_its_own_way(case, tmp_path):
+    make, changes, edit = OWN_WAY[case]
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(make(), attn_implementation="eager")
+    model.save_pretrained(tmp_path, safe_serialization=True)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    for key, value in changes.items():
+        cfg.pop(key, None) if value is None else cfg.__setitem__(key, value)
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    if edit is not None:
+        edit(tmp_path)
+    ids = np.random.default_rng(1).integers(0, VOCAB, size=(2, 40))  # past the windows
+    assert_logits_close(from_pretrained(tmp_path).logits(ids), hf_logits(fresh_hf(tmp_path), ids))
+
+
+def test_a_stored_head_equal_to_the_embedding_is_tied(tmp_path):
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(
+        transformers.LlamaConfig(**{**COMMON, "tie_word_embeddings": True}))
+    model.save_pretrained(tmp_path, safe_serialization=True)
+    from safetensors.numpy import load_file, save_file
+    arrays = load_file(tmp_path / "model.safetensors")
+    arrays["lm_head.weight"] = arrays["model.embed_tokens.weight"].copy()
+    save_file(arrays, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    ours = from_pretrained(tmp_path)
+    assert ours.tied_embeddings and ours.embed is None  # (one matrix, not two)
 
 
 def test_the_decode_steps_are_the_general_step_bit_for_bit(pair, monkeypatch):

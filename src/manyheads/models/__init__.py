@@ -8,7 +8,8 @@ imported.  One file per architecture:
 * :mod:`manyheads.models.llama` - Llama, SmolLM, TinyLlama (RMSNorm, SwiGLU, rotary
   embeddings with linear, dynamic, YaRN or Llama 3 scaling, grouped-query attention);
   the families below are this decoder with settings read from their configs;
-* :mod:`manyheads.models.mistral` - Mistral (a sliding window in every layer);
+* :mod:`manyheads.models.mistral` - Mistral (a sliding window in every layer) and
+  Ministral (in the layers its ``layer_types`` name);
 * :mod:`manyheads.models.qwen2` - Qwen2 and Qwen2.5 (Llama with q/k/v biases);
 * :mod:`manyheads.models.qwen3` - Qwen3 (per-head q/k RMSNorm);
 * :mod:`manyheads.models.gemma` - Gemma 2 and Gemma 3 text models (soft caps, norms
@@ -36,18 +37,18 @@ from .gemma import Gemma2, Gemma3
 from .gpt2 import GPT2
 from .gpt_oss import GptOss
 from .llama import Llama
-from .mistral import Mistral
+from .mistral import Ministral, Mistral
 from .phi3 import Phi3
 from .qwen2 import Qwen2
 from .qwen3 import Qwen3
 
-__all__ = ["from_pretrained", "DecoderModel", "GPT2", "Llama", "Mistral", "Qwen2", "Qwen3",
-           "Gemma2", "Gemma3", "Phi3", "GptOss", "ARCHITECTURES"]
+__all__ = ["from_pretrained", "DecoderModel", "GPT2", "Llama", "Mistral", "Ministral", "Qwen2",
+           "Qwen3", "Gemma2", "Gemma3", "Phi3", "GptOss", "ARCHITECTURES"]
 
 #: model_type of config.json -> the class that runs it
 ARCHITECTURES: dict[str, type[Any]] = {
-    "gpt2": GPT2, "llama": Llama, "mistral": Mistral, "qwen2": Qwen2, "qwen3": Qwen3,
-    "gemma2": Gemma2, "gemma3_text": Gemma3, "phi3": Phi3, "gpt_oss": GptOss}
+    "gpt2": GPT2, "llama": Llama, "mistral": Mistral, "ministral": Ministral, "qwen2": Qwen2,
+    "qwen3": Qwen3, "gemma2": Gemma2, "gemma3_text": Gemma3, "phi3": Phi3, "gpt_oss": GptOss}
 
 #: model_types that are known but not run, and why
 REFUSED = {

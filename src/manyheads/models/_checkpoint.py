@@ -212,6 +212,28 @@ class TensorSource:
             out.append(stored if self.arena is None else join_columns([stored], self.arena))
         return out
 
+    def same_tensor(self, a: str, b: str) -> bool:
+        """Whether tensors ``a`` and ``b`` (both present) hold the same values, read a few
+        thousand rows at a time."""
+        shape = self._shape(a)
+        if self._shape(b) != shape:
+            return False
+        if not shape:
+            return bool(np.array_equal(self._read(a), self._read(b)))
+        first = self._rows(a, 0, min(1, shape[0]))
+        rows = max(1, _READ_BYTES // max(1, first.nbytes))
+        for start in range(0, shape[0], rows):
+            stop = min(start + rows, shape[0])
+            if not np.array_equal(self._rows(a, start, stop), self._rows(b, start, stop)):
+                return False
+        return True
+
+    def tied_head(self, tie: bool, embed: str, head: str = "lm_head.weight") -> bool:
+        """Whether the LM head is the token embedding ``embed``: as transformers ties them,
+        when the config says so (``tie``) and the checkpoint holds no ``head`` of other
+        values (a stored head that differs is kept, as transformers keeps it)."""
+        return tie and (head not in self or self.same_tensor(embed, head))
+
     def get(self, name: str, shape: tuple[int, ...] | None = None) -> np.ndarray:
         """Tensor ``name`` as a float32 array; ValueError if absent or of another shape."""
         if name not in self:

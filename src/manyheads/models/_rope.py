@@ -39,7 +39,8 @@ def _object(cfg: dict[str, Any], name: str) -> dict[str, Any] | None:
 
 def rope_parameters_of(cfg: dict[str, Any], layer_type: str = "full_attention", *,
                        default_theta: float = 10000.0,
-                       local_theta: tuple[str, float] | None = None) -> dict[str, Any]:
+                       local_theta: tuple[str, float] | None = None,
+                       partial: bool = False) -> dict[str, Any]:
     """The rotary settings of one kind of layer, with transformers' precedence.
 
     Flat configs (every family but Gemma 3): ``rope_scaling`` (transformers 4) or
@@ -48,6 +49,11 @@ def rope_parameters_of(cfg: dict[str, Any], layer_type: str = "full_attention", 
     default), Gemma 3's layout: ``rope_parameters`` per layer type, or the legacy
     ``rope_scaling`` + ``rope_theta`` for full-attention layers and plain rotary
     embeddings of base ``cfg[key]`` for sliding ones.
+
+    ``partial``: the family's plain rotary embeddings read ``partial_rotary_factor``
+    (Phi-3's).  The others' rotate every feature whatever it says, as transformers'
+    do; with their scaled rotary embeddings, which would read it in transformers and
+    then not fit the heads, it is refused.
     """
     params, scaling = _object(cfg, "rope_parameters"), _object(cfg, "rope_scaling")
     nested = params is not None and any(k in LAYER_TYPES for k in params)
@@ -74,6 +80,13 @@ def rope_parameters_of(cfg: dict[str, Any], layer_type: str = "full_attention", 
     if "partial_rotary_factor" in cfg:
         p.setdefault("partial_rotary_factor", cfg["partial_rotary_factor"])
     p["rope_type"] = p.get("rope_type", p.get("type", "default"))
+    if not partial and p.get("partial_rotary_factor", 1.0) != 1.0:
+        if p["rope_type"] != "default":
+            raise ValueError(f"partial_rotary_factor {p['partial_rotary_factor']!r} with rotary "
+                             f"scaling {p['rope_type']!r} is not supported in a "
+                             f"{cfg.get('model_type')!r} model: transformers' tables would not "
+                             "fit its heads")
+        del p["partial_rotary_factor"]  # (transformers' plain rotary of the family ignores it)
     if p["rope_type"] in ("llama3", "yarn") and "original_max_position_embeddings" in cfg:
         # as transformers: a top-level value (Phi-3 keeps one there) wins
         p["original_max_position_embeddings"] = cfg["original_max_position_embeddings"]

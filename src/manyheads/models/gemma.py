@@ -34,7 +34,7 @@ class Gemma2(Llama):
     gemma = True
     tie_default = True
     head_dim_default = 256
-    activation_keys = ("hidden_activation", "hidden_act")
+    activation_keys = ("hidden_activation",)  # (transformers' Gemma 2 and 3 read no hidden_act)
     activation_default = "gelu_pytorch_tanh"
     reads_layer_types = True
     window_default = 4096

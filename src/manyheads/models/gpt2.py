@@ -105,7 +105,7 @@ class GPT2(DecoderModel):
         self.activation = str(act)
         if cfg.get("add_cross_attention"):
             raise ValueError("GPT-2 with cross-attention is not a decoder-only model")
-        self.tied_embeddings = bool(cfg.get("tie_word_embeddings", True))
+        tie = bool(cfg.get("tie_word_embeddings", True))
         self.eos_token_id = eos_of(cfg)
         scale_weights = bool(cfg.get("scale_attn_weights", True))
         by_layer = bool(cfg.get("scale_attn_by_inverse_layer_idx", False))
@@ -113,6 +113,7 @@ class GPT2(DecoderModel):
         p = "transformer." if "transformer.wte.weight" in ckpt else ""
         # wte (vocab, d) is held as (d, vocab) columns, the LM head itself when tied
         wte = ckpt.linear(p + "wte.weight", d, self.vocab_size)
+        self.tied_embeddings = ckpt.tied_head(tie, p + "wte.weight")
         self.wpe = ckpt.get(p + "wpe.weight", (self.context_length, d))
         self.wte: Any = None if self.tied_embeddings else wte
         self.head = wte if self.tied_embeddings else \

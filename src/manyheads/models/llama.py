@@ -248,6 +248,7 @@ class Llama(DecoderModel):
     default_theta = 10000.0
     sinks = False              # a learned sink logit per head (gpt-oss), self_attn.sinks
     rope_default: dict[str, Any] | None = None  # rotary settings of a config that gives none
+    partial_rotary = False     # Phi-3: partial_rotary_factor applies to its plain rotary
 
     def __init__(self, cfg: dict[str, Any], ckpt: TensorSource) -> None:
         self._read_config(cfg)
@@ -256,7 +257,7 @@ class Llama(DecoderModel):
         # the token embedding (vocab, d) is held as (d, vocab) columns in the weights'
         # format: with tied embeddings it is the LM head itself
         embed = ckpt.linear(f"{prefix}embed_tokens.weight", d, self.vocab_size)
-        self.tied_embeddings = self.tie
+        self.tied_embeddings = ckpt.tied_head(self.tie, f"{prefix}embed_tokens.weight")
         self.embed: Any = None if self.tied_embeddings else embed
         self.head = embed if self.tied_embeddings else \
             ckpt.linear("lm_head.weight", d, self.vocab_size)
@@ -331,6 +332,10 @@ class Llama(DecoderModel):
 
     # -- the config ---------------------------------------------------------------------
     def _read_config(self, cfg: dict[str, Any]) -> None:
+        if cfg.get("use_bidirectional_attention"):  # (Gemma's encoders, as EmbeddingGemma)
+            raise ValueError(f"a {cfg.get('model_type')!r} model with use_bidirectional_attention "
+                             "is an encoder (every token sees every other): this runner is "
+                             "causal, a decoder's")
         self.vocab_size = config_int(cfg, "vocab_size")
         self.d_model = config_int(cfg, "hidden_size")
         self.d_ff = config_int(cfg, "intermediate_size")
@@ -394,12 +399,14 @@ class Llama(DecoderModel):
                 cfg.get("rope_parameters") is None:
             cfg = {**cfg, "rope_parameters": dict(self.rope_default)}
         if local is None:
-            one = Rotary(rope_parameters_of(cfg, default_theta=self.default_theta),
+            one = Rotary(rope_parameters_of(cfg, default_theta=self.default_theta,
+                                            partial=self.partial_rotary),
                          self.head_dim, max_position)
             self.rotaries = {t: one for t in LAYER_TYPES}
         else:
             self.rotaries = {t: Rotary(rope_parameters_of(cfg, t, default_theta=self.default_theta,
-                                                          local_theta=local),
+                                                          local_theta=local,
+                                                          partial=self.partial_rotary),
                                        self.head_dim, max_position) for t in LAYER_TYPES}
         self.context_length = max(self.rotaries[t].context_length for t in self.layer_types)
 

@@ -17,3 +17,4 @@ class Phi3(Llama):
     model_type = "phi3"
     bias_key: str | None = None  # Phi-3 projections have no biases
     slides_everywhere = True
+    partial_rotary = True
