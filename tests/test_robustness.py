@@ -139,12 +139,14 @@ def test_threads_racing_on_one_cache_never_corrupt_it():
     errors, ok = [], []
 
     def work():
-        for _ in range(100):
+        for _ in range(160):  # (past max_len: the last calls find it full)
             try:
                 m(x, cache=cache)
                 ok.append(1)
             except RuntimeError as exc:
                 errors.append(str(exc))
+            except ValueError as exc:
+                assert "cache is full" in str(exc)
 
     ts = [threading.Thread(target=work) for _ in range(4)]
     for t in ts:
@@ -153,6 +155,72 @@ def test_threads_racing_on_one_cache_never_corrupt_it():
         t.join()
     assert len(cache) == len(ok)  # every call that went through appended exactly one token
     assert all("in use by another call" in e for e in errors)
+
+
+def test_a_step_into_a_full_cache_is_refused_under_its_lock():
+    # (a module checks the room before it takes the cache; a call from another thread
+    # could fill it in between, and the step then wrote past max_len)
+    m = mh.MultiHeadAttention(16, 16, 8, 0.0, 2, seed=0)
+    cache = m.new_cache(1, 4)
+    m(np.ones((1, 4, 16), np.float32), cache=cache)
+    with pytest.raises(ValueError, match="cache is full: 4 tokens"):
+        with cache.step(1):
+            pass
+    cache.truncate(3)
+    with cache.step(1):  # (the lock was given back)
+        pass
+    assert len(cache) == 4
+
+
+@pytest.fixture
+def fast_switches():
+    """Python threads switching every microsecond: races show within a few calls."""
+    before = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    yield
+    sys.setswitchinterval(before)
+
+
+@pytest.mark.parametrize("threads", [None, 3])  # 3: more than the cores, the lean path
+def test_threads_stepping_one_model_over_shared_caches_never_corrupt_them(tmp_path, threads,
+                                                                          fast_switches):
+    # (a model call read the caches' length before holding them and, when another
+    # thread's call held one, took back tokens that call had appended)
+    pytest.importorskip("safetensors")
+    from manyheads.models import from_pretrained
+    from manyheads.models.random import save_random_checkpoint
+    save_random_checkpoint(tmp_path, "llama", seed=7)
+    model = from_pretrained(tmp_path)
+    if threads is not None:
+        mh.set_num_threads(threads)
+    try:
+        for _ in range(20):
+            caches, ok, other = model.new_caches(1, 24), [], []
+
+            def work():
+                for _ in range(24):
+                    try:
+                        model.logits(np.array([[5]]), caches=caches, last_only=True)
+                        ok.append(1)
+                    except RuntimeError as exc:
+                        if "in use by another call" not in str(exc):
+                            other.append(repr(exc))
+                    except ValueError as exc:
+                        if "exceed the model's context" not in str(exc) and \
+                                "cache is full" not in str(exc):
+                            other.append(repr(exc))
+
+            ts = [threading.Thread(target=work) for _ in range(2)]
+            for t in ts:
+                t.start()
+            for t in ts:
+                t.join()
+            assert not other
+            assert [len(c) for c in caches] == [len(ok)] * len(caches)
+            # every slot below the length holds a token's keys
+            assert caches[0].keys[0, 0, :len(ok)].any(axis=1).all()
+    finally:
+        mh.set_num_threads(None)
 
 
 def test_large_float32_scores_stay_finite(rng):

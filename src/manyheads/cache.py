@@ -191,6 +191,9 @@ class KVCache:
         # each row's padding tokens, those a wrapped ring has overwritten included
         self._padded = np.zeros(self.batch_size, dtype=np.intp)
         self._busy = threading.Lock()
+        # the thread whose model call holds the cache for all its layers (hold_caches), 0:
+        # none; that call's own steps then go through without taking the lock again
+        self._holder = 0
         # the last decoding steps' attention calls, for the next token (_decode_into)
         self._calls: dict[Any, tuple[Any, tuple[Any, ...]]] = {}
 
@@ -278,6 +281,7 @@ class KVCache:
             state = dict(vars(self))
         del state["_busy"]
         state.pop("_calls", None)
+        state.pop("_holder", None)
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -287,6 +291,7 @@ class KVCache:
             self._padded = self.padding[:, :min(self._len, self.capacity)].sum(
                 axis=1, dtype=np.intp)
         self._busy = threading.Lock()
+        self._holder = 0
         self._calls = {}
 
     def _holding(self) -> _Held:
@@ -538,22 +543,70 @@ class KVCache:
         return CacheStep(self, new_tokens, key_padding_mask)
 
 
+IN_USE = ("KVCache is in use by another call: a cache belongs to one decoding stream "
+          "(give each thread its own cache)")
+
+
+def take(cache: KVCache) -> bool:
+    """Take ``cache``'s lock for a call: True, to be released; False when this thread's
+    model call holds it for all its layers (:func:`hold_caches`); RuntimeError when
+    another call holds it."""
+    if cache._busy.acquire(blocking=False):
+        return True
+    if cache._holder == threading.get_ident():
+        return False
+    raise RuntimeError(IN_USE)
+
+
+class hold_caches:
+    """Holds every cache of a model's call for the whole call (a ``with`` block): its
+    length is read, its tokens appended and, if the call fails, taken back under the
+    lock, so that a call from another thread gets RuntimeError and cannot see or
+    change the caches in between (the layers' own steps go through)."""
+
+    __slots__ = ("caches", "held")
+
+    def __init__(self, caches: Sequence[KVCache]) -> None:
+        self.caches = caches
+        self.held: list[KVCache] = []
+
+    def __enter__(self) -> None:
+        me = threading.get_ident()
+        try:
+            for c in self.caches:
+                if c._holder == me and c in self.held:
+                    continue  # (a list naming a cache twice)
+                if not c._busy.acquire(blocking=False):
+                    raise RuntimeError(IN_USE)
+                c._holder = me
+                self.held.append(c)
+        except BaseException:
+            self.__exit__()
+            raise
+
+    def __exit__(self, *exc: object) -> None:
+        for c in self.held:
+            c._holder = 0
+            c._busy.release()
+        self.held.clear()
+
+
 class _Held:
     """Holds a cache's lock for a ``with`` block (a plain class: a generator-based
     context manager costs microseconds a decoding step need not pay)."""
 
-    __slots__ = ("cache",)
+    __slots__ = ("cache", "took")
 
     def __init__(self, cache: KVCache) -> None:
         self.cache = cache
+        self.took = False
 
     def __enter__(self) -> None:
-        if not self.cache._busy.acquire(blocking=False):
-            raise RuntimeError("KVCache is in use by another call: a cache belongs to one "
-                               "decoding stream (give each thread its own cache)")
+        self.took = take(self.cache)
 
     def __exit__(self, *exc: object) -> None:
-        self.cache._busy.release()
+        if self.took:
+            self.cache._busy.release()
 
 
 class CacheStep:
@@ -564,10 +617,18 @@ class CacheStep:
         self.new_tokens = new_tokens
         self.pad_new = pad_new
         self.start = cache._len  # absolute position of the first new token
+        self.took = False  # whether __enter__ took the lock (see take)
 
     def __enter__(self) -> CacheStep:
-        _Held(self.cache).__enter__()
-        self.start = self.cache._len
+        c = self.cache
+        self.took = take(c)
+        if c._len + self.new_tokens > c.max_len:  # (checked before, but in another call
+            # from another thread the room may have gone since)
+            if self.took:
+                c._busy.release()
+            raise ValueError(f"cache is full: {c._len} tokens + {self.new_tokens} new > "
+                             f"max_len={c.max_len}")
+        self.start = c._len
         return self
 
     def __exit__(self, exc_type: object, *exc: object) -> None:
@@ -579,7 +640,8 @@ class CacheStep:
                     c._any_padding = True
                     c._padded += self.pad_new.sum(axis=1, dtype=np.intp)
         finally:
-            c._busy.release()
+            if self.took:
+                c._busy.release()
 
     def attend(self, q: np.ndarray, k_new: np.ndarray, v_new: np.ndarray,
                heads: slice = slice(None), *, scale: float, num_threads: int,

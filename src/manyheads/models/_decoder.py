@@ -24,7 +24,7 @@ from typing import Any, Callable, Protocol, Sequence
 import numpy as np
 
 from .. import _config, _core, _formats, _kernels
-from ..cache import KVCache
+from ..cache import KVCache, hold_caches
 from ..modules import MultiHeadAttention
 from ..weights import gather_columns, weight_format
 from ._sampling import (check_sampling, check_seed, check_stop, choose, process_logits,
@@ -280,11 +280,22 @@ class DecoderModel:
         """The residual stream (B, T, d_model) after the blocks before ``stop_at`` (all by
         default), and the padding mask (True = pad) or None."""
         arr = self._check_ids(ids)
-        past = 0 if caches is None else self._check_caches(caches, arr.shape[0])
+        if caches is None:
+            self._check_room(0, arr.shape[1])
+            return self._hidden(arr, self._check_mask(attention_mask, arr.shape, 0), None,
+                                stop_at)
+        if not isinstance(caches, (list, tuple)) or \
+                not all(isinstance(c, KVCache) for c in caches):
+            self._check_caches(caches, arr.shape[0])  # (raises, naming what was expected)
+        with hold_caches(caches):
+            return self._hidden_held(arr, attention_mask, caches, stop_at)
+
+    def _hidden_held(self, arr: np.ndarray, attention_mask: Any, caches: list[KVCache],
+                     stop_at: int | None) -> tuple[np.ndarray, np.ndarray | None]:
+        """:meth:`hidden_states` with caches, every one held by this call."""
+        past = self._check_caches(caches, arr.shape[0])
         self._check_room(past, arr.shape[1])
         pad = self._check_mask(attention_mask, arr.shape, past)
-        if caches is None:
-            return self._hidden(arr, pad, None, stop_at)
         try:
             return self._hidden(arr, pad, caches, stop_at)
         except BaseException:

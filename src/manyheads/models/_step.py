@@ -30,7 +30,7 @@ import numpy as np
 
 from .. import _config, _core, _kernels
 from .._formats import FORMATS
-from ..cache import KVCache
+from ..cache import KVCache, take
 from ._decoder import prepared
 from .gpt2 import gelu_tanh
 
@@ -197,11 +197,8 @@ class CompiledStep:
         held: list[KVCache] = []
         try:
             for c in caches:
-                if not c._busy.acquire(blocking=False):
-                    raise RuntimeError("KVCache is in use by another call: a cache belongs "
-                                       "to one decoding stream (give each thread its own "
-                                       "cache)")
-                held.append(c)
+                if take(c):
+                    held.append(c)
             self.x[...] = x.reshape(B, -1)
             self.program.run(calls, angles, slots, arrays)
             if self.program.overflowed:  # void: the blocks' decode says why
