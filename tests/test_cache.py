@@ -211,6 +211,26 @@ def test_ring_buffer_cache_keeps_only_the_window_and_equals_full(rng, kind):
     np.testing.assert_allclose(inc, m(x), rtol=0, atol=1e-10)
 
 
+@pytest.mark.parametrize("kind", ["fused", "stacked"])
+@pytest.mark.parametrize("where", ["prompt", "chunk"])
+def test_padding_in_a_ring_that_several_tokens_wrap_equals_full(rng, kind, where):
+    # (a stack's heads attend one at a time within a step: the first one's new tokens
+    # had overwritten the padding of ring slots the next heads still read)
+    m = make(kind, window=16)
+    x = normal(rng, (2, 60, 24))
+    pad = np.zeros((2, 60), bool)
+    if where == "prompt":
+        pad[1, :5] = True      # a left-padded prompt, then chunks past the window
+    else:
+        pad[0, 30:34] = True   # padding inside a chunk that wraps the ring
+    cache, outs, t = m.new_cache(2, 100), [], 0
+    for n in (10, 17, 1, 20, 12):
+        outs.append(m(x[:, t:t + n], key_padding_mask=pad[:, t:t + n], cache=cache))
+        t += n
+    np.testing.assert_allclose(np.concatenate(outs, axis=1), m(x, key_padding_mask=pad),
+                               rtol=0, atol=1e-10)
+
+
 def test_float16_cache_halves_memory_and_matches_rounded_oracle(rng):
     m = make("fused", np.float32)
     x = normal(rng, (1, 1200, 24), np.float32)

@@ -364,6 +364,20 @@ def test_two_dimensional_slopes_need_a_batch_axis(rng):
         mh.scaled_dot_product_attention(q, q, q, alibi_slopes=np.ones((1, 4), np.float32))
 
 
+def test_a_query_without_a_head_axis_takes_one_heads_sink_and_slope(rng):
+    # ((L, E) is one head: its (1,) sinks and slopes had failed inside with NumPy's error)
+    q, k, v = (normal(rng, (7, 8), np.float64) for _ in range(3))
+    kw = dict(sinks=np.array([0.3]), alibi_slopes=np.array([0.25]), is_causal=True)
+    out = mh.scaled_dot_product_attention(q, k, v, **kw)
+    np.testing.assert_array_equal(out, mh.scaled_dot_product_attention(q[None], k[None],
+                                                                       v[None], **kw)[0])
+    np.testing.assert_allclose(out, oracle.scaled_dot_product_attention(q, k, v, **kw),
+                               rtol=0, atol=1e-12)
+    ref, _ = row_by_row(q, k, v, scale=8 ** -0.5, sinks=0.3, slopes=0.25,
+                        visible=lambda i, j: j <= i)
+    np.testing.assert_allclose(out, ref, rtol=0, atol=1e-12)
+
+
 def test_a_modules_factors_changed_after_construction_are_checked_at_the_call(rng):
     """The kernels refuse what the arguments' checks would have: a scale, soft cap or
     slope set on a module later must not reach them as inf."""

@@ -437,7 +437,10 @@ def _set_features(call: Any, features: ScoreFeatures, lse: np.ndarray | None,
         check_factor(float(np.abs(alibi).max()), "alibi_slopes", compute)
     for values, setter in ((alibi, call.set_alibi), (sinks, call.set_sinks)):
         if values is not None:
-            view = _broadcast(np.asarray(values, compute)[..., None, None], heads_batch + (1, 1))
+            arr = np.asarray(values, compute)
+            if not heads_batch:  # a query without a head axis is one head: (1,) values
+                arr = arr.reshape(())
+            view = _broadcast(arr[..., None, None], heads_batch + (1, 1))
             setter(view if group == 1 else _split_axis(view, -3, group), nb)
     if lse is not None:
         lv = lse[..., None]

@@ -618,6 +618,7 @@ class CacheStep:
         self.pad_new = pad_new
         self.start = cache._len  # absolute position of the first new token
         self.took = False  # whether __enter__ took the lock (see take)
+        self._ring_padding: np.ndarray | None = None  # see attend
 
     def __enter__(self) -> CacheStep:
         c = self.cache
@@ -708,7 +709,11 @@ class CacheStep:
         (new_k, new_ks), (new_v, new_vs) = c._converted(k_new, v_new)
         st = _Stored(*(None if a is None or b is None else np.concatenate([a, b], axis=2)
                        for a, b in zip(c._stored(heads, old), (new_k, new_v, new_ks, new_vs))))
-        Pc = np.concatenate([c.padding[:, old], np.zeros((c.padding.shape[0], T), bool)
+        # (the old slots' padding as the step found it: a stack's heads attend one at a
+        # time, and the first one's new tokens overwrite slots the next ones still read)
+        if self._ring_padding is None:
+            self._ring_padding = c.padding[:, old].copy()
+        Pc = np.concatenate([self._ring_padding, np.zeros((c.padding.shape[0], T), bool)
                              if pad_new is None else pad_new], axis=1)
         assert st.k is not None and st.v is not None
         res = _core.attention(q, st.k, st.v, k_scale=st.k_scale, v_scale=st.v_scale,

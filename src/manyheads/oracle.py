@@ -210,6 +210,13 @@ def dropout_keep_mask(
     return (u >= p).reshape(shape)
 
 
+def _per_head(values: Any, scores: np.ndarray) -> np.ndarray:
+    """Per-head values (sinks, ALiBi slopes) as the scores' dtype; scores (L, S) without a
+    head axis are one head, whose values come as shape (1,)."""
+    arr = np.asarray(values, dtype=scores.dtype)
+    return arr.reshape(()) if scores.ndim == 2 else arr
+
+
 def scaled_dot_product_attention(
     query: np.ndarray,
     key: np.ndarray,
@@ -276,7 +283,7 @@ def scaled_dot_product_attention(
         scores = softcap * np.tanh(scores / softcap)
     if alibi_slopes is not None:  # a linear penalty on the distance, queries at the end
         distance = np.abs(np.arange(L)[:, None] + (S - L) - np.arange(S)[None, :])
-        slopes = np.asarray(alibi_slopes, dtype=scores.dtype)[..., None, None]
+        slopes = _per_head(alibi_slopes, scores)[..., None, None]
         scores = scores - slopes * distance.astype(scores.dtype)
     if is_causal:
         scores = np.where(causal_mask(L, S, causal_offset), -np.inf, scores)
@@ -289,7 +296,7 @@ def scaled_dot_product_attention(
         else:
             scores = scores + attn_mask.astype(scores.dtype)
     if sinks is not None:  # one more logit per row, whose weight is dropped
-        sink = np.broadcast_to(np.asarray(sinks, scores.dtype)[..., None, None],
+        sink = np.broadcast_to(_per_head(sinks, scores)[..., None, None],
                                scores.shape[:-1] + (1,))
         logits = np.concatenate([scores, sink], axis=-1)
         weights = softmax(logits)[..., :-1]
