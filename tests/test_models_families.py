@@ -621,6 +621,24 @@ def test_the_compiled_step_keeps_no_cache_alive(pair):
     assert all(r() is None for r in refs)
 
 
+def test_alternating_lists_of_caches_leave_no_finalizers_behind(pair):
+    # (each compiled step a model replaced had left a finalizer on every layer's cache,
+    # kept while the caches lived: they grew with tokens times layers)
+    import weakref
+
+    family, _, _, model = pair
+    a, b = model.new_caches(1, 40), model.new_caches(1, 40)
+    ids = np.array([[3]])
+    model.logits(ids, caches=a)
+    model.logits(ids, caches=b)
+    before = len(weakref.finalize._registry)
+    for _ in range(12):  # two streams in turn, as threads sharing a model step them
+        model.logits(ids, caches=a)
+        model.logits(ids, caches=b)
+    assert len(weakref.finalize._registry) <= before
+    assert len(a[0]) == len(b[0]) == 13
+
+
 def test_the_compiled_step_on_one_thread_and_never_with_more_threads_than_cores(
         pair, monkeypatch):
     """One thread runs the compiled step without a parallel region; more threads than

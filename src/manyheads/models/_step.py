@@ -91,8 +91,10 @@ class CompiledStep:
         # dropped with the first cache to go, so that no cache's arrays outlive it here
         self._calls: list[tuple[Any, tuple[Any, ...], tuple[Any, ...]]] | None = None
         me = weakref.ref(self)
-        for c in caches:
-            weakref.finalize(c, CompiledStep._forget_calls, me)
+        # (detached when this step goes: a model that alternates between lists of caches
+        # replaces its step, and each one's finalizers would stay with live caches)
+        self._finalizers = [weakref.finalize(c, CompiledStep._forget_calls, me)
+                            for c in caches]
         B = rows
         d = self.blocks[0].norm_attn.shape[0]
         self.x = np.empty((B, d), np.float32)
@@ -120,6 +122,10 @@ class CompiledStep:
                                    b.act is gelu_tanh)
             self.layers.append((a, bufs[2][:, :H * D].reshape(B, H, 1, D),
                                 bufs[3].reshape(B, H, 1, D)))
+
+    def __del__(self) -> None:
+        for f in getattr(self, "_finalizers", ()):
+            f.detach()
 
     @staticmethod
     def _forget_calls(step: weakref.ref[CompiledStep]) -> None:
