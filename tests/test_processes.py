@@ -109,6 +109,32 @@ def test_ctrl_c_stops_a_long_call_with_keyboard_interrupt(threads):
     assert "interrupted" in out and "still works" in out
 
 
+FORK_FROM_A_THREAD = """
+import os, threading
+from manyheads import _kernels
+
+def fork():
+    pid = os.fork()
+    if pid == 0:  # the forking thread is the child's only one, and gets its signals
+        os._exit(0 if _kernels.on_main_thread() else 7)
+    _, status = os.waitpid(pid, 0)
+    print("child", os.waitstatus_to_exitcode(status))
+
+t = threading.Thread(target=fork)
+t.start()
+t.join()
+"""
+
+
+@pytest.mark.skipif(not POSIX, reason="forks")
+def test_a_child_forked_from_a_thread_looks_for_ctrl_c():
+    # (the main thread's id was read once at import: a child forked from another thread
+    # never looked for pending signals in its long calls)
+    res = run_script(FORK_FROM_A_THREAD, timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.strip() == "child 0"
+
+
 def _layer_in_worker(layer, x):
     import manyheads
 

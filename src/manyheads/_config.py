@@ -133,6 +133,7 @@ def _after_fork_in_child() -> None:
     """A forked child has one thread: the parent's OpenMP (and BLAS) pool threads are
     gone, and GNU OpenMP would wait for them forever.  Run serially from now on."""
     _state["forked"] = True
+    _kernels.after_fork_in_child()
     _sync_threads()
     _blas.reset_after_fork()
 

@@ -203,6 +203,14 @@ def call_threads(object n):
     return _call_threads(n)
 
 
+def after_fork_in_child():
+    """In a forked child the forking thread is the only one, and the one that receives
+    signals: its long calls look for Ctrl-C (it may not have been the parent's main
+    thread)."""
+    global _main_thread
+    _main_thread = PyThread_get_thread_ident()
+
+
 cdef inline bint _on_main_thread() noexcept:
     """Only the main thread receives signals: its long calls look for Ctrl-C."""
     return PyThread_get_thread_ident() == _main_thread
