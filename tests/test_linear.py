@@ -631,3 +631,19 @@ def test_an_int8_weight_refuses_float64_values_beyond_float32s_range(rng):
     back = convert_weight(w, "int8").dequantize()
     assert np.isfinite(back).all()
     np.testing.assert_allclose(back[:, 1], w[:, 1], rtol=0, atol=3.4e38 / 127 / 2 * 1.0001)
+
+
+def test_int8_quantize_of_float32s_largest_reads_back_finite():
+    # (its scale, max / 127, rounded up: 127 times it was inf)
+    big = np.finfo(np.float32).max
+    w = np.array([[big, 1.0], [0.0, 1.0]], np.float32)
+    q = mh.Int8Weight.quantize(w)
+    assert np.isfinite(q.dequantize()).all()
+    y = mh.linear(np.array([[1.0, 0.0]], np.float32), q)
+    assert np.isfinite(y).all() and y[0, 0] >= big * (1 - 2 ** -7)
+
+
+@pytest.mark.parametrize("dtype", [np.dtype("float16"), np.float16, "float 16"])
+def test_a_weight_dtype_is_a_string(dtype):
+    with pytest.raises(ValueError, match="weight dtype must be one of .* \\(a string\\)"):
+        mh.weights.convert_weight(np.ones((2, 2), np.float32), dtype)

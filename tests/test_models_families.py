@@ -621,6 +621,20 @@ def test_the_compiled_step_keeps_no_cache_alive(pair):
     assert all(r() is None for r in refs)
 
 
+@pytest.mark.parametrize("name", ["W_qkv", "W_out"])
+def test_a_weight_replaced_with_another_shape_is_refused_by_the_compiled_step(pair, name):
+    # (the compiled step read a replaced weight's rows as the model's shape: past its end)
+    family, folder, _, _ = pair
+    model = from_pretrained(folder)
+    caches = model.new_caches(1, 8)
+    model.logits(np.array([[1, 2, 3]]), caches=caches)
+    attn = model.blocks[0].attn
+    setattr(attn, name, getattr(attn, name)[:-1].copy())
+    with pytest.raises(ValueError, match=f"{name} of layer 0 has shape .* the model needs"):
+        model.logits(np.array([[4]]), caches=caches)
+    assert [len(c) for c in caches] == [3] * len(caches)
+
+
 def test_alternating_lists_of_caches_leave_no_finalizers_behind(pair):
     # (each compiled step a model replaced had left a finalizer on every layer's cache,
     # kept while the caches lived: they grew with tokens times layers)

@@ -206,3 +206,39 @@ def test_a_heads_biases_follow_qkv_bias(rng, tmp_path):
     x = rng.standard_normal((1, 5, 3)).astype(np.float32)
     head.save(tmp_path / "head.npz")
     np.testing.assert_array_equal(mh.CausalAttention.load(tmp_path / "head.npz")(x), head(x))
+
+
+@pytest.mark.parametrize("name, bad", [
+    ("W_qkv", lambda w: w.astype(np.float64)),     # read as float32: past its end
+    ("W_qkv", lambda w: (w * 10).astype(np.int8)),
+    ("W_out", lambda w: w.tolist()),
+    ("b_qkv", lambda b: b.astype(np.float16)),
+    ("b_out", lambda b: b.astype(np.float64)),
+])
+def test_a_module_weight_of_another_type_is_refused_before_the_kernels(rng, name, bad):
+    m = mh.MultiHeadAttention(8, 8, 16, 0.0, 2, qkv_bias=True, seed=0)
+    setattr(m, name, bad(getattr(m, name)))
+    x = rng.standard_normal((1, 5, 8)).astype(np.float32)
+    for rows in (x, x[:, :1]):
+        with pytest.raises(TypeError, match=r"(a weight|a bias) of .* cannot (take|be added "
+                                            r"to) float32 rows"):
+            m(rows)
+
+
+def test_a_module_holding_stored_weights_says_what_it_cannot_do(rng, tmp_path):
+    m = mh.MultiHeadAttention(8, 8, 16, 0.0, 2, seed=0)
+    x = rng.standard_normal((1, 5, 8)).astype(np.float32)
+    m.W_qkv = mh.Int8Weight.quantize(m.W_qkv)
+    assert m(x).shape == (1, 5, 8)  # (the products read it)
+    with pytest.raises(TypeError, match="take columns of W_qkv, of type Int8Weight"):
+        m.W_query
+    with pytest.raises(TypeError, match="take columns of W_qkv"):
+        m(x, x, x)  # cross-attention
+    with pytest.raises(ValueError, match=r"save\(\) writes float16, float32 or float64 "
+                                         "arrays; W_qkv is Int8Weight"):
+        m.save(tmp_path / "m.npz")
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    h = mh.MultiHeadAttention(8, 8, 16, 0.0, 2, seed=0)
+    h.W_out = h.W_out.astype(ml_dtypes.bfloat16)
+    with pytest.raises(ValueError, match="W_out is bfloat16: widen it first"):
+        h.save(tmp_path / "h.npz")

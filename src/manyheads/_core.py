@@ -476,6 +476,7 @@ def linear(x: np.ndarray, w: Any, bias: np.ndarray | None, num_threads: int) -> 
         return out
     lead, k = x.shape[:-1], x.shape[-1]
     x2 = _rows_ready(x.reshape(math.prod(lead), k))
+    _check_weight_types(x2.dtype, w, bias)
     fmt, data, scales, group, n = weight_parts(w)
     if len(w.shape) != 2 or w.shape[0] != k or (bias is not None and bias.shape != (n,)):
         # (a module's weight or bias assigned with another shape, say nn.Linear's (out, in))
@@ -502,6 +503,24 @@ def linear(x: np.ndarray, w: Any, bias: np.ndarray | None, num_threads: int) -> 
         if b is not None:
             out += b
     return out.reshape(lead + (n,))
+
+
+def _check_weight_types(dtype: np.dtype, w: Any, bias: Any) -> None:
+    """TypeError unless weight ``w`` and ``bias`` serve rows of float ``dtype``: a weight
+    of that dtype, float16, bfloat16 or an Int8Weight, a bias of that dtype (a module's
+    weight assigned in another dtype had been read as the rows' dtype, past its end)."""
+    if isinstance(w, np.ndarray):
+        ok = w.dtype == dtype or dtype_name(w.dtype) in ("float16", "bfloat16")
+        what = f"a weight of dtype {dtype_name(w.dtype)}"
+    else:
+        ok = type(w).__name__ == "Int8Weight" and hasattr(w, "_blocked")
+        what = f"a weight of type {type(w).__name__}"
+    if not ok:
+        raise TypeError(f"{what} cannot take {dtype} rows: give it as {dtype}, float16, "
+                        "bfloat16 or an Int8Weight")
+    if bias is not None and (not isinstance(bias, np.ndarray) or bias.dtype != dtype):
+        got = bias.dtype if isinstance(bias, np.ndarray) else type(bias).__name__
+        raise TypeError(f"a bias of {got} cannot be added to {dtype} rows: give it as {dtype}")
 
 
 #: (storage code or -1 for x's own dtype, the stored array (int8: in the kernels'

@@ -314,9 +314,8 @@ def linear(x: Any, weight: Any, bias: Any = None, *, num_threads: int | None = N
 
     The product the modules use for their projections, for the rest of a model
     (MLPs, the LM head): one to four rows (decode) run through a memory-bound
-    kernel that reads ``weight`` once, up to 8 rows (16 with a weight stored in
-    another format) through that kernel in groups of up to four rows, each row
-    the bits it gets alone; more rows run as single-threaded BLAS tiles on
+    kernel that reads ``weight`` once, up to 32 rows through that kernel in
+    groups of up to eight rows, each row the bits it gets alone; more rows run as single-threaded BLAS tiles on
     manyheads' threads, so no second thread pool competes with the attention.
     Results are the same bits for any thread count.
 
@@ -327,7 +326,7 @@ def linear(x: Any, weight: Any, bias: Any = None, *, num_threads: int | None = N
         Of x's dtype, or, with float32 x, stored in its own precision and read in
         place: float16, ``ml_dtypes.bfloat16`` or an
         :class:`~manyheads.weights.Int8Weight` (int8 with float32 scales).  With
-        up to 8 rows, a half-precision weight gives the bits of the same
+        up to 32 rows, a half-precision weight gives the bits of the same
         product with the weight widened to float32 first (more rows: the same
         values within float32 rounding).
     bias : ndarray, shape (out_features,), optional

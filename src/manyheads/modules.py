@@ -432,6 +432,14 @@ class _AttentionModule:
         # values typed Any: np.savez's stub would match a str-keyed **dict against its
         # `allow_pickle: bool` parameter as well as against the arrays (**kwds)
         arrays: dict[str, Any] = dict(self._weights())
+        for name, a in arrays.items():  # (np.savez would pickle the others, or write bytes
+            # that load cannot read back)
+            if not isinstance(a, np.ndarray) or a.dtype.name not in ("float16", "float32",
+                                                                     "float64"):
+                what = a.dtype.name if isinstance(a, np.ndarray) else type(a).__name__
+                raise ValueError(f"save() writes float16, float32 or float64 arrays; {name} is "
+                                 f"{what}: widen it first (.astype(np.float32), or "
+                                 ".dequantize() for an Int8Weight)")
         arrays["manyheads_module"] = np.array(json.dumps(meta))
         np.savez(path, **arrays)
 
@@ -796,11 +804,10 @@ class _PackedWeight:
         self.part = part
 
     def __get__(self, obj: Any, objtype: Any = None) -> np.ndarray:
-        view: np.ndarray = obj.W_qkv[:, obj._cols(self.part)]
-        return view
+        return obj._qkv_columns(self.part)
 
     def __set__(self, obj: Any, value: Any) -> None:
-        obj.W_qkv[:, obj._cols(self.part)] = value
+        obj._qkv_columns(self.part)[...] = value
 
 
 class _PackedBias:
@@ -904,6 +911,15 @@ class MultiHeadAttention(_AttentionModule):
         self.W_out = _linear_init(rng, self.d_out, (self.d_out, self.out_features), self.dtype)
         self.b_out = _linear_init(rng, self.d_out, (self.out_features,), self.dtype)
 
+    def _qkv_columns(self, part: int) -> np.ndarray:
+        """The columns of W_qkv of the queries (0), keys (1) or values (2): a view."""
+        if not isinstance(self.W_qkv, np.ndarray):
+            raise TypeError(f"{('W_query', 'W_key', 'W_value')[part]} and cross-attention "
+                            f"take columns of W_qkv, of type {type(self.W_qkv).__name__} "
+                            "here; read them from W_qkv.dequantize()")
+        view: np.ndarray = self.W_qkv[:, self._cols(part)]
+        return view
+
     def _cols(self, part: int) -> slice:
         """Columns of part 0 (queries), 1 (keys) or 2 (values) in the packed projection."""
         starts = (0, self.d_out, self.d_out + self.kv_dim, self.d_out + 2 * self.kv_dim)
@@ -935,7 +951,7 @@ class MultiHeadAttention(_AttentionModule):
             kv0, kv1 = self.d_out, self.d_out + self.kv_dim
             q_all, k_all, v_all = qkv[..., :kv0], qkv[..., kv0:kv1], qkv[..., kv1:]
         else:  # cross-attention: queries from x, keys and values from their own inputs
-            q_all, k_all, v_all = (_core.linear(inp, self.W_qkv[:, self._cols(i)],
+            q_all, k_all, v_all = (_core.linear(inp, self._qkv_columns(i),
                                                 None if self.b_qkv is None
                                                 else self.b_qkv[self._cols(i)], nt)
                                    for i, inp in enumerate((xq,) + kv_in))

@@ -166,6 +166,10 @@ def _quantized(a: np.ndarray, g: int) -> tuple[np.ndarray, np.ndarray]:
         amax = np.maximum(q.max(axis=0), -q.min(axis=0))  # (NaN propagates, as max|q|)
         scale = (amax / np.float32(127)).astype(np.float32)
         with np.errstate(over="ignore", invalid="ignore"):
+            # (float32's largest value over 127 rounds up: 127 times it would be inf, so
+            # the scale goes one float lower, as the int8 cache's does)
+            over = np.isinf(np.float32(127) * scale) & np.isfinite(scale)
+            scale[over] = np.nextafter(scale[over], np.float32(0))
             inv = np.divide(np.float32(1), scale, out=np.zeros_like(scale), where=scale > 0)
             tiny = np.isinf(inv)  # (a scale below about 3e-39: divided by, not inverted)
             small = q[:, tiny] / scale[tiny] if tiny.any() else None
@@ -324,9 +328,9 @@ def convert_weight(w: Any, dtype: str, group_size: int | None = None) -> Any:
     rounded to nearest even) or 'int8' (an :class:`Int8Weight`, per-column scales or
     groups of ``group_size`` rows).  ValueError where a value cannot be stored so
     (:func:`check_storable`)."""
-    if dtype not in WEIGHT_DTYPES:
-        raise ValueError(f"weight dtype must be one of {', '.join(WEIGHT_DTYPES)}, "
-                         f"got {dtype!r}")
+    if not isinstance(dtype, str) or dtype not in WEIGHT_DTYPES:
+        raise ValueError(f"weight dtype must be one of {', '.join(map(repr, WEIGHT_DTYPES))} "
+                         f"(a string), got {dtype!r}")
     if dtype == "int8":
         return Int8Weight.quantize(w, group_size)
     if group_size is not None:

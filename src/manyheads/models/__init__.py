@@ -102,9 +102,9 @@ def from_pretrained(path: str | os.PathLike[str], *, revision: str | None = None
     OSError
         A Hub id that is neither cached nor downloadable.
     """
-    if weight_dtype not in WEIGHT_DTYPES:
-        raise ValueError(f"weight_dtype must be one of {', '.join(map(repr, WEIGHT_DTYPES))}, "
-                         f"got {weight_dtype!r}")
+    if not isinstance(weight_dtype, str) or weight_dtype not in WEIGHT_DTYPES:
+        raise ValueError(f"weight_dtype must be one of {', '.join(map(repr, WEIGHT_DTYPES))} "
+                         f"(a string), got {weight_dtype!r}")
     path = resolve_checkpoint(path, revision)
     cfg = read_config(path)
     kind = cfg["model_type"]

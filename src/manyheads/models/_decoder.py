@@ -66,6 +66,7 @@ def prepared(owner: Any, name: str) -> _core.WeightParts:
     memo = owner.__dict__.setdefault("_prepared", {})
     hit = memo.get(name)
     if hit is None or hit[0] is not w:
+        _core._check_weight_types(np.dtype(np.float32), w, None)  # (a weight replaced since)
         hit = memo[name] = (w, _core.weight_parts(w))
     parts: _core.WeightParts = hit[1]
     return parts

@@ -115,9 +115,20 @@ class CompiledStep:
                     buffer("act", F), buffer("dn", d), buffer("tmp", d))
             qn, kn = a.qk_norm if a.qk_norm is not None else (None, None)
             norms = (b.norm_attn, b.norm_mlp, b.post_attn, b.post_mlp, qn, kn)
-            products = tuple(prepared(owner, name) + (bias,) for owner, name, bias in (
-                (a, "W_qkv", a.b_qkv), (a, "W_out", a.b_out), (b, "w_gate_up", b.b_gate_up),
-                (b, "w_down", b.b_down)))
+            sources = ((a, "W_qkv", a.b_qkv, (d, (H + 2 * Hkv) * D)),
+                       (a, "W_out", a.b_out, (H * D, d)),
+                       (b, "w_gate_up", b.b_gate_up, (d, 2 * F)), (b, "w_down", b.b_down, (F, d)))
+            for owner, name, bias, shape in sources:  # (a weight replaced with another shape
+                # would be read past its end)
+                w = getattr(owner, name)
+                if tuple(w.shape) != shape or (bias is not None and bias.shape != shape[1:]):
+                    raise ValueError(
+                        f"{name} of layer {i} has shape {tuple(w.shape)}" + (
+                            "" if bias is None else f" and its bias {bias.shape}") +
+                        f": the model needs {shape}" + ("" if bias is None else
+                                                       f" and ({shape[1]},)"))
+            products = tuple(prepared(owner, name) + (bias,)
+                             for owner, name, bias, _ in sources)
             self.program.set_layer(i, (B, d, H, Hkv, D, F), b.eps, bufs, norms, products,
                                    b.act is gelu_tanh)
             self.layers.append((a, bufs[2][:, :H * D].reshape(B, H, 1, D),
