@@ -255,6 +255,10 @@ def test_stop_strings_end_rows_on_the_decoded_text(model_dir, model):
     (dict(stop=[1.5]), "stop must be a token id or a list of them"),
     (dict(eos_token_id=-1), "eos_token_id: token id -1 is outside the vocabulary"),
     (dict(pad_token_id=10**6), "pad_token_id: token id 1000000 is outside"),
+    # (bytes had been read as lists of token ids, and a list as its first id)
+    (dict(stop=b"%"), "bytes: decode them to a string"),
+    (dict(eos_token_id=b"\x05"), "eos_token_id must be a token id or a list of them"),
+    (dict(pad_token_id=[5, 6]), "pad_token_id must be one token id"),
 ])
 def test_bad_settings_are_refused_before_anything_runs(model, kw, message):
     calls = []
@@ -264,6 +268,29 @@ def test_bad_settings_are_refused_before_anything_runs(model, kw, message):
                        callback=lambda *a: calls.append(a), **kw)
     assert message in str(info.value)
     assert calls == [] and all(len(c) == 0 for c in caches)
+
+
+def test_a_callback_that_cannot_be_called_is_refused_before_anything_runs(model):
+    caches = model.new_caches(1, 16)
+    with pytest.raises(TypeError, match="callback must be callable"):
+        model.generate([[3, 1, 4]], 4, callback="print", caches=caches)
+    assert all(len(c) == 0 for c in caches)
+
+
+def test_stop_strings_read_special_tokens_and_may_begin_in_the_prompt(model_dir):
+    # (special tokens had been skipped by the decode, so "<|im_end|>" never stopped a
+    # row, and only the new tokens' text was read)
+    tokenizers = pytest.importorskip("tokenizers")
+    from manyheads.models._sampling import StopStrings
+    tok = tokenizers.Tokenizer.from_file(f"{model_dir}/tokenizer.json")
+    tok.add_special_tokens(["<|im_end|>"])
+    end = tok.token_to_id("<|im_end|>")
+    prompt, new = np.array(tok.encode("the cat").ids), np.array(tok.encode(" sat").ids)
+    assert StopStrings(["<|im_end|>"], tok).hit(prompt, np.append(new, end))
+    assert not StopStrings(["<|im_end|>"], tok).hit(prompt, new)
+    assert StopStrings(["t s"], tok).hit(prompt, new)        # "ca|t s|at": from the prompt on
+    assert not StopStrings(["the c"], tok).hit(prompt, new)  # in the prompt alone
+    assert StopStrings(["sat"], tok).hit(prompt[:0], new)
 
 
 def test_stop_strings_need_a_filler(model_dir, model):

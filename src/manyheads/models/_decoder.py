@@ -428,8 +428,10 @@ class DecoderModel:
             tokens.  None: fresh entropy.  Checked whether or not it is used.
         stop : list of str and int, optional
             A row also ends when it produces one of these token ids, or when
-            its generated text (``tokenizer.decode`` of its new tokens)
-            contains one of these strings; the tokens up to and including the
+            its text (``tokenizer.decode``, special tokens included, so that
+            ``"<|im_end|>"`` is one) has an occurrence of one of these strings
+            that ends in its new tokens (it may begin in the prompt, as
+            transformers' ``stop_strings``); the tokens up to and including the
             one that ends it are kept.  Strings need ``tokenizer`` and a filler
             (``pad_token_id`` or ``eos_token_id``).
         tokenizer : object with ``decode(ids) -> str``, optional
@@ -453,7 +455,13 @@ class DecoderModel:
         ends = token_ids("eos_token_id", eos_token_id, self.vocab_size)
         stop_ids, stop_texts = check_stop(stop, tokenizer, self.vocab_size)
         ends += stop_ids
+        if pad_token_id is not None and (isinstance(pad_token_id, bool) or
+                                         not isinstance(pad_token_id, (int, np.integer))):
+            raise ValueError(f"pad_token_id must be one token id, got {pad_token_id!r}")
         fill = token_ids("pad_token_id", pad_token_id, self.vocab_size)[:1] or ends[:1]
+        if callback is not None and not callable(callback):
+            raise TypeError(f"callback must be callable as callback(step, tokens), got "
+                            f"{callback!r}")
         if stop_texts is not None and not fill:
             raise ValueError("stop strings need pad_token_id (or eos_token_id): the id that "
                              "fills a row after it ends")
@@ -488,7 +496,8 @@ class DecoderModel:
                 done |= np.isin(tok, ends)
             if stop_texts is not None:
                 for r in np.flatnonzero(~done):
-                    done[r] = stop_texts.hit(np.append(out[r, :step], tok[r]))
+                    prompt = arr[r] if pad is None else arr[r][~pad[r]]
+                    done[r] = stop_texts.hit(prompt, np.append(out[r, :step], tok[r]))
             out[:, step] = tok
             if seen is not None:
                 seen[np.arange(B), tok] = True

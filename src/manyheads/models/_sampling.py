@@ -222,6 +222,8 @@ def token_ids(name: str, value: Any, vocab_size: int) -> list[int]:
     vocabulary; ValueError naming ``name`` otherwise."""
     if value is None:
         return []
+    if isinstance(value, (str, bytes, bytearray)):  # (bytes would iterate as ids)
+        raise ValueError(f"{name} must be a token id or a list of them, got {value!r}")
     items = [value] if isinstance(value, (int, np.integer)) else value
     try:
         items = list(items)
@@ -237,8 +239,10 @@ def token_ids(name: str, value: Any, vocab_size: int) -> list[int]:
 
 
 class StopStrings:
-    """Whether a row's generated text contains one of ``texts``, as ``tokenizer.decode``
-    gives the text of its newest tokens."""
+    """Whether a row's text ends, in its newest tokens, with an occurrence of one of
+    ``texts``, as ``tokenizer.decode`` gives the text with its special tokens (so that
+    ``<|im_end|>`` is one); an occurrence may begin in the prompt, as transformers'
+    stop strings may."""
 
     def __init__(self, texts: list[str], tokenizer: Any) -> None:
         self.texts = texts
@@ -247,11 +251,31 @@ class StopStrings:
         # character (byte-level pieces); a few more leave the window's start, which a
         # tokenizer may decode differently, out of it
         self.window = 4 * max(len(t) for t in texts) + 4
+        # tokenizers' decode skips special tokens unless told not to; a decode(ids) of
+        # another kind keeps its own way
+        try:
+            tokenizer.decode([], skip_special_tokens=False)
+            self.keep: dict[str, Any] = {"skip_special_tokens": False}
+        except TypeError:
+            self.keep = {}
 
-    def hit(self, new: np.ndarray) -> bool:
-        """``new``: the tokens of one row generated so far (the newest last)."""
-        text = self.tokenizer.decode([int(t) for t in new[-self.window:]])
-        return any(t in text for t in self.texts)
+    def _text(self, ids: np.ndarray) -> str:
+        text: str = self.tokenizer.decode([int(t) for t in ids], **self.keep)
+        return text
+
+    def hit(self, before: np.ndarray, new: np.ndarray) -> bool:
+        """``before``: the row's prompt tokens (real ones); ``new``: its tokens generated so
+        far (the newest last)."""
+        new = new[-self.window:]
+        before = before[len(before) - (self.window - len(new)):] if len(new) < self.window \
+            else before[:0]
+        text = self._text(np.concatenate([before, new]))
+        start = len(self._text(before)) if len(before) else 0
+        for t in self.texts:  # an occurrence that ends past the prompt's text
+            at = text.find(t, max(0, start - len(t) + 1))
+            if at >= 0:
+                return True
+        return False
 
 
 def check_stop(stop: Any, tokenizer: Any, vocab_size: int) -> tuple[list[int], StopStrings | None]:
@@ -259,6 +283,9 @@ def check_stop(stop: Any, tokenizer: Any, vocab_size: int) -> tuple[list[int], S
     strings; strings need a ``tokenizer`` (with ``decode(ids)``)."""
     if stop is None:
         return [], None
+    if isinstance(stop, (bytes, bytearray)):  # (would iterate as token ids)
+        raise ValueError(f"stop must be a list of strings and token ids, got {stop!r} "
+                         "(bytes: decode them to a string)")
     items = [stop] if isinstance(stop, (str, int, np.integer)) else stop
     try:
         items = list(items)
