@@ -804,7 +804,8 @@ class _PackedWeight:
         self.part = part
 
     def __get__(self, obj: Any, objtype: Any = None) -> np.ndarray:
-        return obj._qkv_columns(self.part)
+        view: np.ndarray = obj._qkv_columns(self.part)
+        return view
 
     def __set__(self, obj: Any, value: Any) -> None:
         obj._qkv_columns(self.part)[...] = value
