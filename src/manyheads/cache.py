@@ -571,18 +571,14 @@ class hold_caches:
         self.held: list[KVCache] = []
 
     def __enter__(self) -> None:
-        me = threading.get_ident()
-        try:
-            for c in self.caches:
-                if c._holder == me and c in self.held:
-                    continue  # (a list naming a cache twice)
-                if not c._busy.acquire(blocking=False):
-                    raise RuntimeError(IN_USE)
+        me, held = threading.get_ident(), self.held
+        for c in self.caches:
+            if c._busy.acquire(False):
                 c._holder = me
-                self.held.append(c)
-        except BaseException:
-            self.__exit__()
-            raise
+                held.append(c)
+            elif not (c._holder == me and c in held):  # (a list may name a cache twice)
+                self.__exit__()
+                raise RuntimeError(IN_USE)
 
     def __exit__(self, *exc: object) -> None:
         for c in self.held:

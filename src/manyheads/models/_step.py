@@ -23,6 +23,7 @@ the blocks' decode takes its products, which scale such an input first).
 from __future__ import annotations
 
 import operator
+import threading
 import weakref
 from typing import Any, Sequence
 
@@ -213,8 +214,9 @@ class CompiledStep:
         self._calls = kept
         held: list[KVCache] = []
         try:
-            for c in caches:
-                if take(c):
+            me = threading.get_ident()
+            for c in caches:  # (held already by the model's call: hold_caches)
+                if c._holder != me and take(c):
                     held.append(c)
             self.x[...] = x.reshape(B, -1)
             self.program.run(calls, angles, slots, arrays)
