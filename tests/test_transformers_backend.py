@@ -287,6 +287,23 @@ def test_local_patterns_other_than_a_causal_window_keep_their_mask(build, name):
                 assert_logits_close(want.last_hidden_state, got.last_hidden_state)
 
 
+def test_a_compiled_sliding_window_model_has_no_graph_break(name):
+    # (the probe of a mask's pattern took bool() of tensors: a graph break at every mask)
+    import torch._dynamo.utils as dynamo_utils
+
+    eager, ours = (copy.deepcopy(m) for m in pair("mistral", name))
+    ids, mask = left_padded_batch()
+    torch._dynamo.reset()
+    dynamo_utils.counters.clear()
+    compiled = torch.compile(ours.forward, dynamic=True)
+    with torch.no_grad():
+        got = compiled(ids, attention_mask=mask).logits
+        want = eager(ids, attention_mask=mask).logits
+    assert sum(dynamo_utils.counters["graph_break"].values()) == 0
+    assert_logits_close(want, got)
+    torch._dynamo.reset()
+
+
 def test_a_forward_that_needs_gradients_raises(name):
     _, ours = pair("llama", name)
     ids, _ = left_padded_batch()

@@ -105,6 +105,9 @@ def _causal_window(mask_function: Any, w: int) -> bool:
 
     if mask_function is None or w < 2:  # (a window of 1 is a chunk of 1: either way)
         return False
+    if torch.compiler.is_compiling():  # (a probe's bool() of a tensor breaks the graph: the
+        # mask keeps its window there, the same attention)
+        return False
     zero, q, k = torch.tensor(0), torch.tensor(w), torch.tensor(w - 1)
     try:
         return (bool(mask_function(zero, zero, q, k)) and not bool(mask_function(zero, zero, k, q))
