@@ -291,6 +291,9 @@ def test_stop_strings_read_special_tokens_and_may_begin_in_the_prompt(model_dir)
     assert StopStrings(["t s"], tok).hit(prompt, new)        # "ca|t s|at": from the prompt on
     assert not StopStrings(["the c"], tok).hit(prompt, new)  # in the prompt alone
     assert StopStrings(["sat"], tok).hit(prompt[:0], new)
+    long_prompt = np.array(tok.encode(" ".join(["the cat sat on the mat"] * 4)).ids)
+    assert StopStrings(["mat the"], tok).hit(long_prompt[:-6], long_prompt[-6:-5])
+    assert not StopStrings(["mat the"], tok).hit(long_prompt[:-5], long_prompt[-5:-4])
 
 
 def test_stop_strings_need_a_filler(model_dir, model):

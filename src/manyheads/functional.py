@@ -315,8 +315,9 @@ def linear(x: Any, weight: Any, bias: Any = None, *, num_threads: int | None = N
     The product the modules use for their projections, for the rest of a model
     (MLPs, the LM head): one to four rows (decode) run through a memory-bound
     kernel that reads ``weight`` once, up to 32 rows through that kernel in
-    groups of up to eight rows, each row the bits it gets alone; more rows run as single-threaded BLAS tiles on
-    manyheads' threads, so no second thread pool competes with the attention.
+    groups of up to eight rows, each row the bits it gets alone; more rows run
+    as single-threaded BLAS tiles on manyheads' threads, so no second thread
+    pool competes with the attention.
     Results are the same bits for any thread count.
 
     Parameters

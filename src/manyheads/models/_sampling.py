@@ -267,8 +267,7 @@ class StopStrings:
         """``before``: the row's prompt tokens (real ones); ``new``: its tokens generated so
         far (the newest last)."""
         new = new[-self.window:]
-        before = before[len(before) - (self.window - len(new)):] if len(new) < self.window \
-            else before[:0]
+        before = before[max(0, len(before) - (self.window - len(new))):]
         text = self._text(np.concatenate([before, new]))
         start = len(self._text(before)) if len(before) else 0
         for t in self.texts:  # an occurrence that ends past the prompt's text
