@@ -221,7 +221,9 @@ def test_a_module_weight_of_another_type_is_refused_before_the_kernels(rng, name
     x = rng.standard_normal((1, 5, 8)).astype(np.float32)
     for rows in (x, x[:, :1]):
         with pytest.raises(TypeError, match=r"(a weight|a bias) of .* cannot (take|be added "
-                                            r"to) float32 rows"):
+                                            r"to) float32 rows|weight must be an ndarray of "
+                                            r"float32, float64, float16 or ml_dtypes.bfloat16, "
+                                            r"or an Int8Weight; got (ndarray of dtype int8|list)"):
             m(rows)
 
 

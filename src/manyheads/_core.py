@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from . import _blas, _formats, _kernels
+from . import _blas, _formats, _kernels, weights
 from ._validate import ScoreFeatures, check_factor, dtype_name
 
 __all__ = ["attention", "explain", "CallPlan", "ItemPlan", "linear", "apply_rope", "rotate", "rope_tables", "kernel_ready"]
@@ -507,17 +507,13 @@ def linear(x: np.ndarray, w: Any, bias: np.ndarray | None, num_threads: int) -> 
 
 def _check_weight_types(dtype: np.dtype, w: Any, bias: Any) -> None:
     """TypeError unless weight ``w`` and ``bias`` serve rows of float ``dtype``: a weight
-    of that dtype, float16, bfloat16 or an Int8Weight, a bias of that dtype (a module's
-    weight assigned in another dtype had been read as the rows' dtype, past its end)."""
-    if isinstance(w, np.ndarray):
-        ok = w.dtype == dtype or dtype_name(w.dtype) in ("float16", "bfloat16")
-        what = f"a weight of dtype {dtype_name(w.dtype)}"
-    else:
-        ok = type(w).__name__ == "Int8Weight" and hasattr(w, "_blocked")
-        what = f"a weight of type {type(w).__name__}"
-    if not ok:
-        raise TypeError(f"{what} cannot take {dtype} rows: give it as {dtype}, float16, "
-                        "bfloat16 or an Int8Weight")
+    of that dtype, float16, bfloat16 or an Int8Weight (:func:`weights.weight_format`), a
+    bias of that dtype (a module's weight assigned in another dtype had been read as the
+    rows' dtype, past its end)."""
+    fmt = weights.weight_format(w)  # (TypeError for anything that is no weight)
+    if fmt in ("float32", "float64") and fmt != dtype.name:
+        raise TypeError(f"a weight of dtype {fmt} cannot take {dtype} rows: give it as "
+                        f"{dtype}, float16, bfloat16 or an Int8Weight")
     if bias is not None and (not isinstance(bias, np.ndarray) or bias.dtype != dtype):
         got = bias.dtype if isinstance(bias, np.ndarray) else type(bias).__name__
         raise TypeError(f"a bias of {got} cannot be added to {dtype} rows: give it as {dtype}")
